@@ -1,0 +1,172 @@
+"""Encoding messages to frames and decoding frames to messages.
+
+Frame layout of every message::
+
+    frame 0   header: msgpack map {"v": VERSION, "t": type, <fields of the message>}
+    frame 1…  Batch only: one frame per array, its raw bytes (C order, little-endian), in the
+              order of the header's "a" list: [[name, dtype, shape, nbytes, checksum], ...]
+              and "ck": the checksum algorithm ("xxh3_64") or nil.
+
+Decoding checks, before anything is allocated: the header size, msgpack string/array/map sizes,
+the version (an Error is readable from any version), the message type, every field, the array
+count, and per array dtype × shape == nbytes == frame length, then the checksum. Nothing is
+unpickled; a header can only hold plain msgpack values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import msgpack
+import numpy as np
+
+from fuelline.protocol.arrays import (
+    CHECKSUMS,
+    DEFAULT_LIMITS,
+    ArrayMeta,
+    Limits,
+    MessageTooLarge,
+    rebuild_array,
+    wire_array,
+)
+from fuelline.protocol.errors import ProtocolError, ProtocolVersionError
+from fuelline.protocol.messages import (
+    MESSAGE_TYPES,
+    VERSION,
+    Batch,
+    Error,
+    Hello,
+    Message,
+    Welcome,
+)
+
+__all__ = ["encode", "decode", "encode_header", "peek_type"]
+
+# Fields that msgpack carries as lists but the dataclasses hold as tuples.
+_TUPLE_FIELDS = {(Hello, "sources"), (Welcome, "sources")}
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)
+
+
+def encode(msg: Message, *, checksum: bool = True) -> list[Any]:
+    """Encode a message as a list of frames for ``socket.send_multipart(frames, copy=False)``.
+
+    Array frames are views of the arrays' own memory (no copy unless an array is not
+    C-contiguous or not little-endian), so the arrays must not change until the send is done.
+    """
+    header: dict[str, Any] = {"v": VERSION, "t": msg.TYPE}
+    frames: list[Any] = []
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        if isinstance(msg, Batch) and f.name == "arrays":
+            entries = []
+            for name, arr in value.items():
+                meta, flat = wire_array(name, arr, with_checksum=checksum)
+                entries.append(meta.to_wire())
+                frames.append(flat)
+            header["a"] = entries
+        elif isinstance(msg, Batch) and f.name == "checksum":
+            header["ck"] = CHECKSUMS[0] if checksum else None
+        else:
+            header[f.name] = list(value) if isinstance(value, tuple) else value
+    return [encode_header(header), *frames]
+
+
+def _unpack_header(frame: Any, limits: Limits) -> dict[str, Any]:
+    size = memoryview(frame).nbytes
+    if size > limits.max_header_bytes:
+        raise MessageTooLarge(f"header of {size} bytes exceeds the limit of {limits.max_header_bytes}")
+    try:
+        header = msgpack.unpackb(
+            frame,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=limits.max_header_bytes,
+            max_bin_len=limits.max_header_bytes,
+            max_array_len=limits.max_header_bytes,
+            max_map_len=limits.max_header_bytes,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types for bad input; all mean the same
+        raise ProtocolError(f"undecodable header ({type(exc).__name__}: {exc})") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(f"header must be a map, got {type(header).__name__}")
+    return header
+
+
+def peek_type(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> str | None:
+    """The message type named by a header, or None if it cannot be read. Never raises."""
+    try:
+        t = _unpack_header(frames[0], limits).get("t")
+    except (ProtocolError, IndexError):
+        return None
+    return t if isinstance(t, str) else None
+
+
+def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, verify: bool = True) -> Message:
+    """Decode frames (bytes, memoryviews or zmq Frames) into a message.
+
+    Raises:
+        ProtocolVersionError: the header carries another version (except for Error messages).
+        MessageTooLarge: something exceeds ``limits``.
+        ChecksumMismatch: ``verify`` and an array's bytes disagree with its checksum.
+        ProtocolError: anything else malformed; the message says what.
+    """
+    if not frames:
+        raise ProtocolError("empty message")
+    if len(frames) > limits.max_arrays + 1:
+        raise MessageTooLarge(f"{len(frames)} frames exceed the limit of {limits.max_arrays + 1}")
+    header = _unpack_header(frames[0], limits)
+    kind = header.get("t")
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    version = header.get("v")
+    if cls is not Error and version != VERSION:
+        raise ProtocolVersionError(version, VERSION)
+    if cls is None:
+        raise ProtocolError(f"unknown message type {kind!r:.40}")
+    if cls is not Batch and len(frames) != 1:
+        raise ProtocolError(f"{kind} message carries {len(frames) - 1} unexpected frames")
+
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in ("arrays", "checksum") and cls is Batch:
+            continue
+        if f.name in header:
+            value = header[f.name]
+            if (cls, f.name) in _TUPLE_FIELDS and isinstance(value, list):
+                value = tuple(value)
+            kwargs[f.name] = value
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ProtocolError(f"{kind} header lacks field {f.name!r}")
+    if cls is Batch:
+        kwargs["arrays"], kwargs["checksum"] = _decode_arrays(header, frames[1:], limits, verify)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"invalid {kind}: {exc}") from None
+
+
+def _decode_arrays(
+    header: dict[str, Any], frames: Sequence[Any], limits: Limits, verify: bool
+) -> tuple[dict[str, np.ndarray], str | None]:
+    entries = header.get("a")
+    algo = header.get("ck")
+    if algo is not None and algo not in CHECKSUMS:
+        raise ProtocolError(f"unknown checksum algorithm {algo!r:.40}")
+    if not isinstance(entries, list):
+        raise ProtocolError("batch header lacks its array list 'a'")
+    if len(entries) != len(frames):
+        raise ProtocolError(f"batch header lists {len(entries)} arrays but {len(frames)} frames follow")
+    metas = [ArrayMeta.from_wire(e, limits) for e in entries]
+    if len({m.name for m in metas}) != len(metas):
+        raise ProtocolError("batch names an array twice")
+    total = sum(m.nbytes for m in metas)
+    if total > limits.max_batch_bytes:
+        raise MessageTooLarge(f"batch of {total} bytes exceeds the limit of {limits.max_batch_bytes}")
+    if algo is None and any(m.checksum is not None for m in metas):
+        raise ProtocolError("array checksums given without a checksum algorithm")
+    arrays = {m.name: rebuild_array(m, fr, verify) for m, fr in zip(metas, frames)}
+    return arrays, algo

@@ -1,0 +1,248 @@
+"""The messages of the fuelline protocol, as frozen dataclasses.
+
+Every message is a header frame (a msgpack map) and, for ``Batch`` only, one raw frame per
+array. Each header carries ``v`` (the protocol version) and ``t`` (the message type); the other
+keys are the dataclass fields below. Fields are validated in ``__post_init__``, so a message that
+decodes is a message whose fields make sense.
+
+Conversation (client = DEALER, server = ROUTER; the routing id identifies the connection)::
+
+    client                                   server
+    Hello(stream, epoch, cursor, credit) ──▶
+                                         ◀── Welcome(stream, sources, schema, batches_per_epoch)
+                                         ◀── Batch(stream, epoch, seq) × at most `credit` in flight
+    Credit(n) ─────────────────────────────▶ (one per batch the client has handed to its user)
+                                         ◀── EndOfEpoch(stream, epoch, batches), then the next epoch
+    Heartbeat ◀──────────────────────────▶ Heartbeat (whichever side has been idle for an interval)
+    Hello(stream + 1, ...) ────────────────▶ restarts the stream at another position (seek)
+    Bye ◀───────────────────────────────────▶ Bye (either side leaves; the server on shutdown)
+                                         ◀── Error(code, message, fatal) for a request it refuses
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping, Union
+
+import numpy as np
+
+__all__ = [
+    "VERSION",
+    "ErrorCode",
+    "Hello",
+    "Welcome",
+    "Credit",
+    "Batch",
+    "EndOfEpoch",
+    "Heartbeat",
+    "Error",
+    "Bye",
+    "Message",
+    "MESSAGE_TYPES",
+]
+
+VERSION = 1
+
+
+class ErrorCode:
+    """Error codes a server sends in ``Error.code``."""
+
+    VERSION = "version"  # the client speaks another protocol version
+    MALFORMED = "malformed"  # the request could not be decoded
+    BAD_REQUEST = "bad-request"  # decoded, but not valid here (e.g. a Credit before Hello)
+    UNKNOWN_SOURCE = "unknown-source"  # the client asked for a source the server does not have
+    UNKNOWN_SPLIT = "unknown-split"  # the client asked for a split the dataset does not have
+    DATA = "data"  # the server could not produce a batch (names the file)
+    INTERNAL = "internal"  # a bug in the server; the message says where
+
+
+def _check_int(owner: str, name: str, value: Any, minimum: int = 0) -> None:
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{owner}.{name} must be an int >= {minimum}, got {value!r:.60}")
+
+
+def _check_str(owner: str, name: str, value: Any, allow_empty: bool = False) -> None:
+    if not isinstance(value, str) or (not value and not allow_empty):
+        raise ValueError(f"{owner}.{name} must be a {'' if allow_empty else 'non-empty '}string, got {value!r:.60}")
+
+
+def _check_interval(owner: str, name: str, value: Any) -> None:
+    if type(value) not in (int, float) or not math.isfinite(value) or not 0 < value <= 3600:
+        raise ValueError(f"{owner}.{name} must be seconds in (0, 3600], got {value!r:.60}")
+
+
+def _check_names(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{owner}.{name} must be a tuple of non-empty strings, got {value!r:.100}")
+    if len(set(value)) != len(value):
+        raise ValueError(f"{owner}.{name} names a source twice: {value!r:.100}")
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Client → server: start (or restart) a stream at a position.
+
+    Attributes:
+        client_id: stable identity of the client across reconnects (for logs and for replacing
+            the session of a connection that died).
+        rank, world_size: which share of every epoch this client reads.
+        split: which split of the dataset (``"train"``, ``"val"``...).
+        sources: the sources wanted, in the order the client wants them; None for all.
+        stream: the client's stream counter; every Batch of this stream echoes it, so batches of
+            an older stream still in flight can be told apart and dropped.
+        epoch, cursor: the first batch wanted (the resume position).
+        credit: how many batches the server may have in flight to this client.
+        heartbeat: the client's heartbeat interval in seconds.
+    """
+
+    TYPE: ClassVar[str] = "hello"
+    client_id: str
+    rank: int = 0
+    world_size: int = 1
+    split: str = "train"
+    sources: tuple[str, ...] | None = None
+    stream: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    credit: int = 10
+    heartbeat: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check_str("Hello", "client_id", self.client_id)
+        _check_int("Hello", "world_size", self.world_size, 1)
+        _check_int("Hello", "rank", self.rank)
+        if self.rank >= self.world_size:
+            raise ValueError(f"Hello.rank {self.rank} must be < world_size {self.world_size}")
+        _check_str("Hello", "split", self.split)
+        if self.sources is not None:
+            _check_names("Hello", "sources", self.sources)
+        for name in ("stream", "epoch", "cursor", "credit"):
+            _check_int("Hello", name, getattr(self, name))
+        _check_interval("Hello", "heartbeat", self.heartbeat)
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Server → client: the stream is accepted; what it will carry.
+
+    Attributes:
+        session: the server's name for this session (appears in its logs).
+        stream: echoes Hello.stream.
+        sources: the sources each batch carries, in order.
+        schema: per source, ``{"dtype": str | None, "shape": list | None}``: the dtype and the
+            per-example shape (without the batch axis), None where the server cannot know it
+            before the first batch (a generic Fuel stream).
+        batches_per_epoch: batches this client gets per epoch, None if the server cannot tell.
+        heartbeat: the server's heartbeat interval in seconds.
+        info: plain facts about the dataset (rows, splits, seed, batch size...).
+    """
+
+    TYPE: ClassVar[str] = "welcome"
+    session: str
+    stream: int
+    sources: tuple[str, ...]
+    schema: Mapping[str, Any]
+    batches_per_epoch: int | None
+    heartbeat: float
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_str("Welcome", "session", self.session)
+        _check_int("Welcome", "stream", self.stream)
+        _check_names("Welcome", "sources", self.sources)
+        if not isinstance(self.schema, Mapping) or set(self.schema) != set(self.sources):
+            raise ValueError("Welcome.schema must map exactly the served sources")
+        if self.batches_per_epoch is not None:
+            _check_int("Welcome", "batches_per_epoch", self.batches_per_epoch)
+        _check_interval("Welcome", "heartbeat", self.heartbeat)
+        if not isinstance(self.info, Mapping):
+            raise ValueError("Welcome.info must be a map")
+
+
+@dataclass(frozen=True)
+class Credit:
+    """Client → server: the client has room for ``n`` more batches."""
+
+    TYPE: ClassVar[str] = "credit"
+    n: int
+
+    def __post_init__(self) -> None:
+        _check_int("Credit", "n", self.n, 1)
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """Server → client: batch ``seq`` of ``epoch`` on stream ``stream``.
+
+    ``arrays`` maps source name to array in the order of Welcome.sources. ``checksum`` names
+    the algorithm the per-array checksums were made with, or is None when there are none.
+    """
+
+    TYPE: ClassVar[str] = "batch"
+    stream: int
+    epoch: int
+    seq: int
+    arrays: Mapping[str, np.ndarray]
+    checksum: str | None = "xxh3_64"
+
+    def __post_init__(self) -> None:
+        for name in ("stream", "epoch", "seq"):
+            _check_int("Batch", name, getattr(self, name))
+        if not isinstance(self.arrays, Mapping):
+            raise ValueError("Batch.arrays must be a mapping of source name to array")
+
+
+@dataclass(frozen=True)
+class EndOfEpoch:
+    """Server → client: ``epoch`` is complete after ``batches`` batches."""
+
+    TYPE: ClassVar[str] = "end_of_epoch"
+    stream: int
+    epoch: int
+    batches: int
+
+    def __post_init__(self) -> None:
+        for name in ("stream", "epoch", "batches"):
+            _check_int("EndOfEpoch", name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Either way: I am alive (sent only by a side that has been idle for an interval)."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+
+
+@dataclass(frozen=True)
+class Error:
+    """Server → client: a request was refused. Its layout never changes between versions, so
+    a peer of any version can read why it was turned away."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    message: str
+    fatal: bool = True
+
+    def __post_init__(self) -> None:
+        _check_str("Error", "code", self.code)
+        _check_str("Error", "message", self.message, allow_empty=True)
+        if type(self.fatal) is not bool:
+            raise ValueError("Error.fatal must be a bool")
+
+
+@dataclass(frozen=True)
+class Bye:
+    """Either way: I am leaving (the server on shutdown, the client on close)."""
+
+    TYPE: ClassVar[str] = "bye"
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        _check_str("Bye", "reason", self.reason, allow_empty=True)
+
+
+Message = Union[Hello, Welcome, Credit, Batch, EndOfEpoch, Heartbeat, Error, Bye]
+MESSAGE_TYPES: dict[str, type] = {
+    cls.TYPE: cls for cls in (Hello, Welcome, Credit, Batch, EndOfEpoch, Heartbeat, Error, Bye)
+}
