@@ -70,7 +70,7 @@ class ArrayMeta:
         name, dtype, shape, nbytes, check = entry
         if not isinstance(name, str) or not name:
             raise ProtocolError(f"array name must be a non-empty string, got {name!r:.100}")
-        if dtype not in WIRE_DTYPES:
+        if not isinstance(dtype, str) or dtype not in WIRE_DTYPES:  # a list/map is unhashable
             raise ProtocolError(f"array {name!r}: dtype {dtype!r:.40} is not one of {sorted(WIRE_DTYPES)}")
         if not isinstance(shape, list) or len(shape) > limits.max_ndim:
             raise ProtocolError(f"array {name!r}: shape must be a list of at most {limits.max_ndim} dims")

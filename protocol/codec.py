@@ -123,7 +123,8 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, verify: bo
     kind = header.get("t")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     version = header.get("v")
-    if cls is not Error and version != VERSION:
+    # type() too: True and 1.0 compare equal to 1 but are not version 1 on the wire.
+    if cls is not Error and (type(version) is not int or version != VERSION):
         raise ProtocolVersionError(version, VERSION)
     if cls is None:
         raise ProtocolError(f"unknown message type {kind!r:.40}")

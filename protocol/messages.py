@@ -50,7 +50,8 @@ class ErrorCode:
 
     VERSION = "version"  # the client speaks another protocol version
     MALFORMED = "malformed"  # the request could not be decoded
-    BAD_REQUEST = "bad-request"  # decoded, but not valid here (e.g. a Credit before Hello)
+    BAD_REQUEST = "bad-request"  # decoded, but not a request a client may send
+    NO_SESSION = "no-session"  # the server has no session for this connection: send Hello again
     UNKNOWN_SOURCE = "unknown-source"  # the client asked for a source the server does not have
     UNKNOWN_SPLIT = "unknown-split"  # the client asked for a split the dataset does not have
     DATA = "data"  # the server could not produce a batch (names the file)

@@ -1,0 +1,165 @@
+"""The ``fuelline`` command line.
+
+Subcommands:
+  serve DATASET    serve a Parquet dataset to ServerDataStream clients
+  sample OUT       write the built-in sample Parquet dataset
+  stream HOST:PORT read epochs from a server and report what arrived and how fast
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from typing import Sequence
+
+from fuelline.protocol import DataError, FuellineError
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("fuelline.server")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be in (0, 3600] seconds, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fuelline", description="Stream training batches from data servers.")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a Parquet dataset")
+    serve.add_argument("dataset", help="directory of Parquet files, or of split folders of them")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=5557, help="TCP port; 0 picks a free one")
+    serve.add_argument("--hwm", type=_positive_int, default=10, help="batches in flight per client")
+    serve.add_argument("--batch-size", type=_positive_int, default=64)
+    serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True)
+    serve.add_argument("--shuffle-block", type=_positive_int, default=8, help="row groups whose rows are mixed together")
+    serve.add_argument("--heartbeat", type=_seconds, default=1.0, help="seconds of silence before a heartbeat")
+    serve.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True, help="xxh3 checksum per array")
+
+    sample = sub.add_parser("sample", help="write the built-in sample Parquet dataset")
+    sample.add_argument("out")
+    sample.add_argument("--rows", type=_positive_int, default=10_000)
+    sample.add_argument("--dim", type=_positive_int, default=16)
+    sample.add_argument("--files", type=_positive_int, default=4)
+    sample.add_argument("--row-group-rows", type=_positive_int, default=1_000)
+
+    stream = sub.add_parser("stream", help="read epochs from a server and report throughput")
+    stream.add_argument("endpoint", help="HOST:PORT of a data server")
+    stream.add_argument("--epochs", type=_positive_int, default=1)
+    stream.add_argument("--split", default="train")
+    stream.add_argument("--rank", type=int, default=0)
+    stream.add_argument("--world-size", type=_positive_int, default=1)
+    stream.add_argument("--hwm", type=_positive_int, default=10)
+    stream.add_argument("--timeout", type=_seconds, default=60.0)
+    stream.add_argument("--json", action="store_true", help="print one JSON object per epoch")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from fuelline.server.parquet_source import ParquetSource
+    from fuelline.server.serving import Server
+    from fuelline.server.start import serve_until_signalled
+
+    source = ParquetSource(
+        args.dataset, batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block
+    )
+    for split in source.splits:
+        info = source.info(split)
+        log.info(
+            "split %r: %d rows in %d files, %d row groups; %d batches of %d per epoch at world size 1; "
+            "up to %.0f MB of decoded row groups per client",
+            split, info["rows"], info["files"], info["row_groups"], source.batches_per_epoch(split, 0, 1),
+            args.batch_size, source.memory_per_client(split) / 1e6,
+        )
+    server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum)
+    try:
+        server.bind()
+    except Exception as exc:
+        raise DataError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+    serve_until_signalled(server)
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from fuelline.server.sample import write_sample_dataset
+
+    counts = write_sample_dataset(args.out, rows=args.rows, dim=args.dim, files=args.files, row_group_rows=args.row_group_rows)
+    print(f"wrote {args.out}: " + ", ".join(f"{k} {v} rows" for k, v in counts.items()))
+    return 0
+
+
+def _stream(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from fuelline.client import ServerDataStream
+
+    with ServerDataStream(
+        endpoints=[args.endpoint], split=args.split, rank=args.rank, world_size=args.world_size,
+        hwm=args.hwm, timeout=args.timeout,
+    ) as stream:
+        for epoch in range(args.epochs):
+            batches = rows = nbytes = 0
+            ids: list = []
+            start = time.perf_counter()
+            for batch in stream.get_epoch_iterator(as_dict=True):
+                batches += 1
+                first = next(iter(batch.values()))
+                rows += len(first) if first.ndim else 1
+                nbytes += sum(a.nbytes for a in batch.values())
+                if "sample_id" in batch:
+                    ids.append(batch["sample_id"])
+            seconds = time.perf_counter() - start
+            report = {
+                "epoch": epoch,
+                "batches": batches,
+                "rows": rows,
+                "bytes": nbytes,
+                "seconds": round(seconds, 4),
+                "rows_per_s": round(rows / seconds, 1) if seconds else None,
+                "mb_per_s": round(nbytes / seconds / 1e6, 1) if seconds else None,
+                "sources": {k: v for k, v in stream.schema.items()},
+            }
+            if ids:
+                all_ids = np.concatenate(ids)
+                report["unique_sample_ids"] = int(len(np.unique(all_ids)))
+            if args.json:
+                print(json.dumps(report), flush=True)
+            else:
+                print(
+                    f"epoch {epoch}: {batches} batches, {rows} rows, {nbytes / 1e6:.1f} MB in {seconds:.2f}s "
+                    f"({report['rows_per_s']} rows/s, {report['mb_per_s']} MB/s)"
+                    + (f", {report['unique_sample_ids']} distinct sample_ids" if ids else ""),
+                    flush=True,
+                )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return {"serve": _serve, "sample": _sample, "stream": _stream}[args.command](args)
+    except (FuellineError, FileExistsError) as exc:
+        print(f"fuelline {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""The order of an epoch: a pure function of the data layout, seed, epoch, rank and world size.
+
+Order, in three steps:
+
+1. **Units.** The dataset is a list of units (Parquet row groups, in file order). The epoch's
+   generator, seeded by (seed, epoch), permutes the units, so every epoch walks the files in a
+   different order.
+2. **Blocks.** Consecutive runs of ``block_units`` units of that permutation form a block; rows are
+   permuted within each block. Rows of different files end up side by side, and a reader needs
+   only one block of decoded units in memory at a time.
+3. **Ranks.** The epoch's row sequence is padded by wrapping around to a multiple of world_size
+   (as torch's DistributedSampler does; the padding is the only duplication), and rank r takes
+   the r-th contiguous span. Contiguous spans keep each rank on few units; the global sequence
+   does not depend on the world size, so a position can be carried across world sizes.
+
+Nothing here depends on timing, worker counts or the number of clients.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["epoch_rng", "epoch_order", "rank_rows", "rows_per_rank", "batches_per_rank"]
+
+
+def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
+    return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch)]))
+
+
+def epoch_order(
+    unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, block_units: int = 8
+) -> np.ndarray:
+    """Global row ids of one epoch, in the order they are served (before sharding).
+
+    Args:
+        unit_lengths: rows per unit, in storage order; global row ids count through them.
+        seed, epoch: the epoch's generator is seeded by both.
+        shuffle: False serves storage order.
+        block_units: how many consecutive units (after the unit permutation) mix their rows.
+    """
+    lengths = np.asarray(unit_lengths, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
+    total = int(lengths.sum())
+    if not shuffle:
+        return np.arange(total, dtype=np.int64)
+    if block_units < 1:
+        raise ValueError(f"block_units must be >= 1, got {block_units}")
+    rng = epoch_rng(seed, epoch)
+    perm = rng.permutation(len(lengths))
+    perm_lengths = lengths[perm]
+    # Row ids of the permuted units, laid end to end, without a Python loop over rows.
+    offsets = np.repeat(starts[perm] - np.concatenate([[0], np.cumsum(perm_lengths)[:-1]]), perm_lengths)
+    order = np.arange(total, dtype=np.int64) + offsets
+    bounds = np.concatenate([[0], np.cumsum(perm_lengths)])[:: block_units]
+    bounds = np.append(bounds, total) if bounds[-1] != total else bounds
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        order[lo:hi] = order[lo:hi][rng.permutation(hi - lo)]
+    return order
+
+
+def rows_per_rank(total: int, world_size: int) -> int:
+    return -(-total // world_size)
+
+
+def batches_per_rank(total: int, world_size: int, batch_size: int) -> int:
+    """Batches every rank gets per epoch: the same for all ranks (the last may be short)."""
+    return -(-rows_per_rank(total, world_size) // batch_size)
+
+
+def rank_rows(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
+    """The contiguous span of the wrap-padded order that belongs to ``rank``."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world size {world_size}")
+    per_rank = rows_per_rank(len(order), world_size)
+    lo, hi = rank * per_rank, (rank + 1) * per_rank
+    if hi <= len(order):
+        return order[lo:hi]
+    # np.resize repeats the sequence, which also covers a world size larger than the data.
+    return np.resize(order, world_size * per_rank)[lo:hi]

@@ -1,0 +1,289 @@
+"""Serve a directory of Parquet files.
+
+Layout of a dataset directory: either Parquet files directly inside it (one split, ``train``), or
+one subdirectory per split (``train/``, ``val/``...) holding Parquet files. Numeric and
+fixed-size-list columns become sources (see ``fuelline.server.columns``). A unit of reading is one
+row group; the order of an epoch is ``fuelline.server.ordering.epoch_order``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from fuelline.protocol import DataError
+from fuelline.server.columns import ColumnSpec, column_spec, to_numpy
+from fuelline.server.ordering import batches_per_rank, epoch_order, rank_rows
+
+__all__ = ["ParquetSource", "find_splits"]
+
+log = logging.getLogger("fuelline.server")
+
+DEFAULT_SPLIT = "train"
+
+
+def _parquet_files(folder: str) -> list[str]:
+    return sorted(
+        os.path.join(folder, name)
+        for name in os.listdir(folder)
+        if name.endswith(".parquet") and os.path.isfile(os.path.join(folder, name))
+    )
+
+
+def find_splits(path: str) -> dict[str, list[str]]:
+    """Map split name to its Parquet files, per the layout in this module's docstring."""
+    if not os.path.exists(path):
+        raise DataError(f"dataset {path!r} does not exist")
+    if os.path.isfile(path):
+        if not path.endswith(".parquet"):
+            raise DataError(f"dataset {path!r} is a file but not a .parquet file")
+        return {DEFAULT_SPLIT: [path]}
+    top = _parquet_files(path)
+    subdirs = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+    nested = {d: _parquet_files(os.path.join(path, d)) for d in subdirs}
+    nested = {d: files for d, files in nested.items() if files}
+    if top and nested:
+        raise DataError(
+            f"dataset {path!r} holds Parquet files both at its top and in split folders "
+            f"{sorted(nested)}; put every file in a split folder"
+        )
+    if top:
+        return {DEFAULT_SPLIT: top}
+    if not nested:
+        raise DataError(f"dataset {path!r} holds no .parquet files (neither directly nor in split folders)")
+    return nested
+
+
+@dataclass
+class _Split:
+    name: str
+    files: list[str]
+    unit_file: np.ndarray  # per unit: index into files
+    unit_group: np.ndarray  # per unit: row group index within its file
+    unit_rows: np.ndarray
+    unit_start: np.ndarray  # per unit: global row id of its first row
+    rows: int
+    disk_bytes: int
+    max_unit_bytes: int  # uncompressed bytes of the largest row group
+
+
+class ParquetSource:
+    """Batches of a Parquet dataset, deterministically ordered, sharded per rank.
+
+    Args:
+        path: the dataset directory (or one .parquet file).
+        batch_size: rows per batch; the last batch of an epoch may be shorter.
+        seed: seeds every epoch's order together with the epoch number.
+        shuffle: False serves rows in storage order.
+        block_units: row groups whose rows are mixed together (bounds memory per client to
+            ``block_units + 1`` decoded row groups).
+
+    Raises:
+        DataError: the path holds no Parquet, files disagree on a column's type, a split is empty.
+    """
+
+    def __init__(
+        self, path: str, *, batch_size: int = 64, seed: int = 0, shuffle: bool = True, block_units: int = 8
+    ) -> None:
+        if batch_size < 1:
+            raise DataError(f"--batch-size must be >= 1, got {batch_size}")
+        if block_units < 1:
+            raise DataError(f"--shuffle-block must be >= 1, got {block_units}")
+        self.path = path
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.block_units = block_units
+        self._columns: dict[str, ColumnSpec] = {}
+        self.unservable: dict[str, str] = {}
+        self._splits = {name: self._scan(name, files) for name, files in find_splits(path).items()}
+        if not self._columns:
+            raise DataError(
+                f"dataset {path!r} has no servable columns: " + "; ".join(self.unservable.values())
+            )
+        for reason in self.unservable.values():
+            log.warning("not serving %s", reason)
+
+    # -- scanning ----------------------------------------------------------------------------
+    def _scan(self, split: str, files: list[str]) -> _Split:
+        unit_file, unit_group, unit_rows, unit_bytes = [], [], [], []
+        disk = 0
+        for i, f in enumerate(files):
+            try:
+                meta = pq.read_metadata(f)
+                schema = meta.schema.to_arrow_schema()
+            except Exception as exc:
+                raise DataError(f"shard {f}: not a readable Parquet file ({exc})") from None
+            self._check_schema(f, schema)
+            disk += os.path.getsize(f)
+            for g in range(meta.num_row_groups):
+                rg = meta.row_group(g)
+                if rg.num_rows:
+                    unit_file.append(i)
+                    unit_group.append(g)
+                    unit_rows.append(rg.num_rows)
+                    unit_bytes.append(rg.total_byte_size)
+        rows = np.asarray(unit_rows, dtype=np.int64)
+        if not rows.sum():
+            raise DataError(f"split {split!r} of dataset {self.path!r} holds no rows")
+        return _Split(
+            name=split,
+            files=files,
+            unit_file=np.asarray(unit_file, dtype=np.int64),
+            unit_group=np.asarray(unit_group, dtype=np.int64),
+            unit_rows=rows,
+            unit_start=np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(np.int64),
+            rows=int(rows.sum()),
+            disk_bytes=disk,
+            max_unit_bytes=max(unit_bytes),
+        )
+
+    def _check_schema(self, file: str, schema: Any) -> None:
+        first = not self._columns and not self.unservable
+        names = set()
+        for field in schema:
+            names.add(field.name)
+            spec = column_spec(field)
+            if first:
+                if isinstance(spec, ColumnSpec):
+                    self._columns[field.name] = spec
+                else:
+                    self.unservable[field.name] = spec
+                continue
+            known = self._columns.get(field.name)
+            if known is not None and (not isinstance(spec, ColumnSpec) or spec != known):
+                raise DataError(
+                    f"shard {file}: column {field.name!r} has type {field.type}, "
+                    f"but earlier shards have {known.arrow_type}"
+                )
+        missing = sorted(set(self._columns) - names)
+        if missing:
+            raise DataError(f"shard {file}: lacks column(s) {missing} that earlier shards have")
+
+    # -- BatchSource -------------------------------------------------------------------------
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(self._columns)
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return tuple(self._splits)
+
+    def schema(self) -> Mapping[str, Mapping[str, Any]]:
+        return {name: spec.to_schema() for name, spec in self._columns.items()}
+
+    def why_not_servable(self, name: str) -> str | None:
+        return self.unservable.get(name)
+
+    def info(self, split: str) -> Mapping[str, Any]:
+        s = self._splits[split]
+        return {
+            "kind": "parquet",
+            "split": split,
+            "splits": {name: sp.rows for name, sp in self._splits.items()},
+            "rows": s.rows,
+            "files": len(s.files),
+            "row_groups": len(s.unit_rows),
+            "disk_bytes": s.disk_bytes,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_block": self.block_units,
+        }
+
+    def batches_per_epoch(self, split: str, rank: int, world_size: int) -> int:
+        return batches_per_rank(self._splits[split].rows, world_size, self.batch_size)
+
+    def memory_per_client(self, split: str) -> int:
+        """Upper bound of decoded row-group bytes one client's reader holds."""
+        return (self.block_units + 1) * self._splits[split].max_unit_bytes
+
+    @functools.lru_cache(maxsize=8)
+    def _order(self, split: str, epoch: int) -> np.ndarray:
+        s = self._splits[split]
+        order = epoch_order(s.unit_rows, self.seed, epoch, self.shuffle, self.block_units)
+        order.setflags(write=False)
+        return order
+
+    def iter_batches(
+        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...]
+    ) -> Iterator[dict[str, np.ndarray]]:
+        s = self._splits[split]
+        rows = rank_rows(self._order(split, epoch), rank, world_size)
+        reader = _UnitReader(s, [self._columns[n] for n in sources], capacity=self.block_units + 1)
+        try:
+            for b in range(start, self.batches_per_epoch(split, rank, world_size)):
+                yield reader.gather(rows[b * self.batch_size : (b + 1) * self.batch_size])
+        finally:
+            reader.close()
+
+    def close(self) -> None:
+        self._order.cache_clear()
+
+
+class _UnitReader:
+    """One client's reader: decoded row groups in a small LRU, open files in another."""
+
+    MAX_OPEN_FILES = 32
+
+    def __init__(self, split: _Split, columns: list[ColumnSpec], capacity: int) -> None:
+        self.split = split
+        self.columns = columns
+        self.capacity = capacity
+        self.units: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
+        self.files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
+
+    def _file(self, i: int) -> pq.ParquetFile:
+        pf = self.files.pop(i, None)
+        if pf is None:
+            pf = pq.ParquetFile(self.split.files[i], memory_map=True)
+            if len(self.files) >= self.MAX_OPEN_FILES:
+                self.files.popitem(last=False)[1].close()
+        self.files[i] = pf
+        return pf
+
+    def unit(self, u: int) -> dict[str, np.ndarray]:
+        data = self.units.pop(u, None)
+        if data is None:
+            f, g = int(self.split.unit_file[u]), int(self.split.unit_group[u])
+            where = f"shard {self.split.files[f]}, row group {g}"
+            try:
+                table = self._file(f).read_row_group(g, columns=[c.name for c in self.columns])
+            except Exception as exc:
+                raise DataError(f"{where}: {exc}") from None
+            data = {c.name: to_numpy(table.column(c.name), c, where) for c in self.columns}
+            if len(self.units) >= self.capacity:
+                self.units.popitem(last=False)
+        self.units[u] = data
+        return data
+
+    def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        units = np.searchsorted(self.split.unit_start, rows, side="right") - 1
+        offsets = rows - self.split.unit_start[units]
+        first = int(units[0])
+        if (units == first).all() and offsets[-1] - offsets[0] == len(rows) - 1 and (np.diff(offsets) == 1).all():
+            # A run of one row group in storage order: views, no copy. Safe to send zero-copy,
+            # since decoded row groups are never written to.
+            data = self.unit(first)
+            lo = int(offsets[0])
+            return {c.name: data[c.name][lo : lo + len(rows)] for c in self.columns}
+        out = {c.name: np.empty((len(rows), *c.shape), dtype=c.dtype) for c in self.columns}
+        for u in np.unique(units):
+            mask = units == u
+            data = self.unit(int(u))
+            for c in self.columns:
+                out[c.name][mask] = data[c.name][offsets[mask]]
+        return out
+
+    def close(self) -> None:
+        for pf in self.files.values():
+            pf.close()
+        self.files.clear()
+        self.units.clear()

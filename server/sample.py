@@ -1,0 +1,67 @@
+"""A small built-in Parquet dataset, so that a server can be tried (and tested) without data.
+
+Columns: ``sample_id`` int64 (unique), ``features`` fixed_size_list<float32>[dim] whose value j is
+``sample_id + j / 1000`` (so a reader can check every value it receives), ``label`` int64 and
+``weight`` float32. Split folders ``train/`` and ``val/``, several files of several row groups.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+__all__ = ["write_sample_dataset", "expected_features"]
+
+
+def expected_features(sample_id: np.ndarray, dim: int) -> np.ndarray:
+    """What ``features`` holds for these sample ids."""
+    return (np.asarray(sample_id, dtype=np.float64)[:, None] + np.arange(dim) / 1000.0).astype(np.float32)
+
+
+def write_sample_dataset(
+    out: str,
+    rows: int = 10_000,
+    dim: int = 16,
+    files: int = 4,
+    row_group_rows: int = 1_000,
+    val_fraction: float = 0.2,
+    classes: int = 6,
+    seed: int = 0,
+) -> dict[str, int]:
+    """Write the sample dataset to ``out`` (atomically) and return rows per split."""
+    if rows < 2 or files < 1 or dim < 1 or row_group_rows < 1:
+        raise ValueError("rows >= 2, files >= 1, dim >= 1 and row_group_rows >= 1 are required")
+    if os.path.exists(out):
+        raise FileExistsError(f"{out} exists; remove it or choose another path")
+    rng = np.random.default_rng(seed)
+    n_val = max(1, int(rows * val_fraction))
+    splits = {"train": np.arange(rows - n_val), "val": np.arange(rows - n_val, rows)}
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".sample-", dir=parent)
+    try:
+        for split, ids in splits.items():
+            os.makedirs(os.path.join(tmp, split))
+            for i, part in enumerate(np.array_split(ids, files)):
+                if not len(part):
+                    continue
+                feats = expected_features(part, dim)
+                table = pa.table(
+                    {
+                        "sample_id": pa.array(part.astype(np.int64)),
+                        "features": pa.FixedSizeListArray.from_arrays(pa.array(feats.reshape(-1)), dim),
+                        "label": pa.array(rng.integers(0, classes, len(part)).astype(np.int64)),
+                        "weight": pa.array(rng.random(len(part)).astype(np.float32)),
+                    }
+                )
+                pq.write_table(table, os.path.join(tmp, split, f"part-{i:05d}.parquet"), row_group_size=row_group_rows)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {k: len(v) for k, v in splits.items()}

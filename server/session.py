@@ -1,0 +1,140 @@
+"""One client's session on a server: its position, its credit, and the thread that prepares its
+batches.
+
+The producer thread runs ahead of the client by at most ``hwm`` prepared batches; the serving loop
+sends them while the client has credit and fewer than ``hwm`` batches in flight. So a session
+holds at most 2 × hwm batches however slow its client, and a client's memory holds at most its
+own hwm.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from typing import Any, Callable
+
+from fuelline.protocol import Batch, DataError, EndOfEpoch, Error, ErrorCode, Hello, encode
+from fuelline.server.sources import BatchSource
+
+__all__ = ["Session"]
+
+log = logging.getLogger("fuelline.server")
+
+# An item ready to send: (kind, frames); kind "batch" needs credit, the others do not.
+Item = tuple[str, list[Any]]
+
+
+class Session:
+    """A client connection's session; the serving loop owns its socket side."""
+
+    def __init__(
+        self,
+        routing_id: bytes,
+        hello: Hello,
+        source: BatchSource,
+        sources: tuple[str, ...],
+        hwm: int,
+        checksum: bool,
+        wake: Callable[[], None],
+        name: str,
+    ) -> None:
+        self.routing_id = routing_id
+        self.hello = hello
+        self.sources = sources
+        self.name = name
+        self.hwm = hwm
+        self.credit = hello.credit
+        self.in_flight = 0
+        self.last_heard = self.last_sent = time.monotonic()
+        self.sent_batches = 0
+        self._source = source
+        self._checksum = checksum
+        self._wake = wake
+        self._ready: deque[Item] = deque()
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._produce, name=f"fuelline-{name}", daemon=True)
+
+    @property
+    def client_heartbeat(self) -> float:
+        return self.hello.heartbeat
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._ready.clear()
+            self._cond.notify_all()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- serving loop side ---------------------------------------------------------------------
+    def grant(self, n: int) -> None:
+        self.credit = min(self.credit + n, 1 << 30)
+        self.in_flight = max(0, self.in_flight - n)
+
+    def take_sendable(self) -> list[Item]:
+        """Items the loop may send now, in order, with their credit already taken."""
+        out: list[Item] = []
+        with self._cond:
+            while self._ready:
+                kind, frames = self._ready[0]
+                if kind == "batch":
+                    if self.credit <= 0 or self.in_flight >= self.hwm:
+                        break
+                    self.credit -= 1
+                    self.in_flight += 1
+                    self.sent_batches += 1
+                out.append(self._ready.popleft())
+            if out:
+                self._cond.notify_all()
+        return out
+
+    # -- producer thread -----------------------------------------------------------------------
+    def _put(self, item: Item) -> bool:
+        with self._cond:
+            while len(self._ready) >= self.hwm and not self._stopped:
+                self._cond.wait(0.5)
+            if self._stopped:
+                return False
+            self._ready.append(item)
+        self._wake()
+        return True
+
+    def _produce(self) -> None:
+        h = self.hello
+        epoch, cursor = h.epoch, h.cursor
+        where = f"data server session {self.name} (split {h.split!r}, rank {h.rank} of {h.world_size})"
+        try:
+            while not self._stopped:
+                seq = cursor
+                batches = self._source.iter_batches(h.split, epoch, h.rank, h.world_size, cursor, self.sources)
+                try:
+                    for arrays in batches:
+                        frames = encode(Batch(h.stream, epoch, seq, arrays), checksum=self._checksum)
+                        if not self._put(("batch", frames)):
+                            return
+                        seq += 1
+                finally:
+                    close = getattr(batches, "close", None)
+                    if close is not None:
+                        close()
+                if not self._put(("end", encode(EndOfEpoch(h.stream, epoch, seq)))):
+                    return
+                if seq == 0:
+                    raise DataError(f"epoch {epoch} of split {h.split!r} has no batches")
+                epoch, cursor = epoch + 1, 0
+        except DataError as exc:
+            log.error("in %s, epoch %d: %s", where, epoch, exc)
+            self._put(("error", encode(Error(ErrorCode.DATA, f"in {where}, epoch {epoch}: {exc}"))))
+        except Exception as exc:  # a bug: report it to the client with its place, keep serving others
+            log.exception("in %s, epoch %d", where, epoch)
+            tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            self._put(("error", encode(Error(ErrorCode.INTERNAL, f"in {where}, epoch {epoch}: {tb}"))))

@@ -1,0 +1,52 @@
+"""What a serving loop needs from a source of batches.
+
+A source knows its sources (the arrays of a batch), its splits, and can produce batch ``start``,
+``start + 1``... of any epoch for any rank, deterministically. Two implementations:
+``fuelline.server.parquet_source.ParquetSource`` and, for any Fuel-style stream,
+``fuelline.server.fuel_source.FuelStreamSource``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Protocol
+
+import numpy as np
+
+__all__ = ["BatchSource", "Slot"]
+
+
+class Slot(Protocol):
+    """Where a session reads from: one split of a source, for one rank."""
+
+    split: str
+    rank: int
+    world_size: int
+
+
+class BatchSource(Protocol):
+    """The interface ``fuelline.server.Server`` serves."""
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """All source names, in their canonical order."""
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        """The split names a client may ask for."""
+
+    def schema(self) -> Mapping[str, Mapping[str, Any]]:
+        """Per source ``{"dtype": str | None, "shape": list | None}`` (shape without batch axis)."""
+
+    def info(self, split: str) -> Mapping[str, Any]:
+        """Plain facts about a split, sent to clients in their Welcome."""
+
+    def batches_per_epoch(self, split: str, rank: int, world_size: int) -> int | None:
+        """Batches each rank gets per epoch, or None if unknown until the epoch ends."""
+
+    def iter_batches(
+        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...]
+    ) -> Iterator[dict[str, np.ndarray]]:
+        """Batches ``start, start + 1, …`` of one epoch for one rank, then stop."""
+
+    def close(self) -> None:
+        """Release files and memory."""

@@ -1,0 +1,59 @@
+"""``start_server``: Fuel's entry point, with fuelline's server behind it."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from typing import Any
+
+from fuelline.server.fuel_source import FuelStreamSource
+from fuelline.server.serving import Server
+
+__all__ = ["start_server", "serve_until_signalled"]
+
+
+def serve_until_signalled(server: Server, announce: bool = True) -> None:
+    """Serve in this thread until SIGTERM or SIGINT, then tell every client and return."""
+    if threading.current_thread() is threading.main_thread():
+        def on_signal(signum: int, frame: Any) -> None:
+            server.stop(f"server shutting down ({signal.Signals(signum).name})")
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def ready(endpoint: str) -> None:
+        if announce:
+            print(f"serving on {endpoint}", flush=True)
+
+    server.serve_forever(ready=ready)
+
+
+def start_server(
+    data_stream: Any,
+    port: int = 5557,
+    hwm: int = 10,
+    host: str = "127.0.0.1",
+    *,
+    heartbeat: float = 1.0,
+    checksum: bool = True,
+) -> None:
+    """Serve a data stream to ``ServerDataStream`` clients until SIGTERM/SIGINT, as Fuel did.
+
+    Args:
+        data_stream: a Fuel-style stream (``.sources``, ``.get_epoch_iterator()`` yielding tuples
+            of arrays in ``sources`` order), a mapping of split name to such streams, or a
+            ``BatchSource`` such as ``fuelline.server.ParquetSource``.
+        port: TCP port; 0 picks a free one (the ``serving on`` line tells which).
+        hwm: most batches in flight to one client.
+        host: interface to bind; loopback by default.
+        heartbeat: seconds of silence after which the server sends a heartbeat.
+        checksum: checksum every array (xxh3).
+    """
+    source = data_stream if hasattr(data_stream, "iter_batches") else FuelStreamSource(data_stream)
+    server = Server(source, host=host, port=port, hwm=hwm, heartbeat=heartbeat, checksum=checksum)
+    server.bind()
+    try:
+        serve_until_signalled(server)
+    finally:
+        sys.stdout.flush()
