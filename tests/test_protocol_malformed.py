@@ -18,24 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuelline.protocol import (
-    VERSION,
-    WIRE_DTYPES,
-    Batch,
-    Bye,
-    ChecksumMismatch,
-    Credit,
-    EndOfEpoch,
-    Error,
-    Heartbeat,
-    Hello,
-    Limits,
-    MessageTooLarge,
-    ProtocolError,
-    ProtocolVersionError,
-    Welcome,
-    decode,
-    encode,
-    peek_type,
+    VERSION, WIRE_DTYPES, Batch, Bye, ChecksumMismatch, Credit, EndOfEpoch, Error, Heartbeat, Hello,
+    Limits, MessageTooLarge, ProtocolError, ProtocolVersionError, Welcome, decode, encode, peek_type,
 )
 
 DROP = object()  # as an edit: remove the key

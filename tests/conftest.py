@@ -1,0 +1,144 @@
+"""Fixtures: real server processes on ephemeral ports, with a readiness handshake and deadlines."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import zmq
+
+from fuelline.server.sample import write_sample_dataset
+
+READY = re.compile(r"serving on (tcp://\S+):(\d+)")
+START_DEADLINE = 30.0
+
+
+class ServerProcess:
+    """A data server in its own process; ``port`` is known once it printed ``serving on``."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env or os.environ.copy()
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.port = self._wait_ready()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def _wait_ready(self) -> int:
+        deadline = time.monotonic() + START_DEADLINE
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()}")
+                continue
+            match = READY.search(line)
+            if match:
+                return int(match.group(2))
+        self.kill()
+        raise RuntimeError(f"server not ready within {START_DEADLINE}s: {self.log()}")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def wait_log(self, pattern: str, timeout: float = 10.0) -> str:
+        """Wait until the server's log matches ``pattern``; return the log."""
+        deadline = time.monotonic() + timeout
+        rx = re.compile(pattern)
+        while time.monotonic() < deadline:
+            text = self.log()
+            if rx.search(text):
+                return text
+            time.sleep(0.05)  # polling a file the server appends to; the deadline bounds it
+        raise AssertionError(f"server log never matched {pattern!r} within {timeout}s:\n{self.log()}")
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"server ignored SIGTERM for {timeout}s")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        self.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def sample_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """10 000 rows (8 000 train, 2 000 val) in 4 files per split, row groups of 500 rows."""
+    out = tmp_path_factory.mktemp("data") / "sample"
+    write_sample_dataset(str(out), rows=10_000, dim=8, files=4, row_group_rows=500)
+    return out
+
+
+@pytest.fixture
+def start_serve(tmp_path: Path) -> Iterator:
+    """Start ``fuelline serve DATASET --port 0 …`` processes; all are stopped at teardown."""
+    started: list[ServerProcess] = []
+
+    def start(dataset: Path | str, *options: str) -> ServerProcess:
+        args = [sys.executable, "-m", "fuelline.server.cli", "serve", str(dataset), "--port", "0", *options]
+        server = ServerProcess(args, tmp_path / f"serve-{len(started)}.log")
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()
+
+
+@pytest.fixture
+def start_script(tmp_path: Path) -> Iterator:
+    """Run a Python snippet (that calls start_server with port=0) as a server process."""
+    started: list[ServerProcess] = []
+
+    def start(code: str) -> ServerProcess:
+        script = tmp_path / f"script-{len(started)}.py"
+        script.write_text(textwrap.dedent(code))
+        server = ServerProcess([sys.executable, str(script)], tmp_path / f"script-{len(started)}.log")
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.close()
+
+
+@pytest.fixture
+def zmq_context() -> Iterator[zmq.Context]:
+    ctx = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
