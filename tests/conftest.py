@@ -23,6 +23,16 @@ READY = re.compile(r"serving on (tcp://\S+):(\d+)")
 START_DEADLINE = 30.0
 
 
+def wait_until(predicate, timeout: float, what: str) -> float:
+    """Wait for a condition another thread or process brings about; returns the seconds waited."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what}: not within {timeout}s")
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
 class ServerProcess:
     """A data server in its own process; ``port`` is known once it printed ``serving on``."""
 
