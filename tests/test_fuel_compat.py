@@ -87,3 +87,25 @@ def test_stream_with_wrong_tuple_length_is_reported_to_the_client(start_script) 
             next(it)
     assert info.value.code == "data"
     assert "batch 2 of the stream has 1 values for 2 sources" in str(info.value)
+
+
+def test_receive_timeout_tells_a_stuck_source_from_a_dead_server(start_script) -> None:
+    from fuelline.protocol import ReceiveTimeout
+
+    code = FUEL_SERVER.replace(
+        "        for i in range(self.batches):\n",
+        "        for i in range(self.batches):\n            if i == 2:\n                threading.Event().wait(60)\n",
+    ).replace("import numpy as np\n", "import threading\nimport numpy as np\n", 1)
+    server = start_script(code.format(stream="Stream(5)"))
+    with ServerDataStream(
+        port=server.port, host="127.0.0.1", timeout=TIMEOUT, heartbeat=0.2, receive_timeout=1.0
+    ) as s:
+        it = s.get_epoch_iterator()
+        next(it), next(it)
+        import time
+
+        started = time.monotonic()
+        with pytest.raises(ReceiveTimeout) as info:
+            next(it)  # the server is alive (heartbeats) but its stream is stuck
+        assert 1.0 <= time.monotonic() - started < 3.0
+    assert f"127.0.0.1:{server.port}" in str(info.value)
