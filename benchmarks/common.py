@@ -1,0 +1,229 @@
+"""What every benchmark shares: timing a stream of batches, running contenders alternately, and
+data servers in their own processes. The report is ``benchmarks.report``.
+
+Figures are only ever compared within one run: contenders take turns (A B A B ...), so that a
+noisy neighbour on a shared machine slows all of them rather than one.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+__all__ = [
+    "BENCH_DIR", "ROOT", "RESULTS_DIR", "DEFAULT_DATA_DIR",
+    "Round", "Contender", "ServerProcess", "time_batches", "process_cpu_seconds", "alternate", "progress",
+]
+
+BENCH_DIR = Path(__file__).resolve().parent
+ROOT = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+DEFAULT_DATA_DIR = BENCH_DIR / ".data"
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+# -- measuring one pass ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Round:
+    """One timed pass over a stream of batches.
+
+    ``rows`` and ``bytes`` count the batches after the first, and ``seconds`` runs from the
+    arrival of the first batch to the arrival of the last: the first batch pays for connecting
+    and for the source's first read, which is latency, not throughput.
+    """
+
+    batches: int  # all batches of the pass, the first included
+    rows: int
+    bytes: int
+    seconds: float
+    consumer_cpu_s: float  # this process, all threads, first batch to end of pass
+    producer_cpu_s: float | None  # the sending process over the same span; None if in-process
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process and all its threads (Linux /proc), else None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # After the command name: state is field 3, utime and stime fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | None = None) -> Round:
+    """Consume a stream of batches (tuples of arrays whose first axis is rows), touching one
+    element of every array so that nothing is merely passed along unread, and time it."""
+    first = last = None
+    cpu0 = prod0 = None
+    count = rows = nbytes = 0
+    for batch in batches:
+        now = time.perf_counter()
+        count += 1
+        for arr in batch:
+            if arr.size:
+                arr.item(0)
+        if first is None:
+            first = now
+            cpu0 = time.process_time()
+            prod0 = process_cpu_seconds(producer_pid) if producer_pid is not None else None
+            continue
+        last = now
+        rows += len(batch[0])
+        nbytes += sum(arr.nbytes for arr in batch)
+    if first is None or last is None or last <= first:
+        raise RuntimeError(f"a pass needs at least two batches to be timed, got {count}")
+    cpu1 = time.process_time()
+    prod1 = process_cpu_seconds(producer_pid) if producer_pid is not None else None
+    producer = prod1 - prod0 if prod0 is not None and prod1 is not None else None
+    return Round(count, rows, nbytes, last - first, cpu1 - cpu0, producer)  # type: ignore[operator]
+
+
+# -- alternating contenders ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Contender:
+    """A named way of reading the same data; ``run`` performs one pass and times it."""
+
+    name: str
+    run: Callable[[], Round]
+
+
+def alternate(contenders: Sequence[Contender], rounds: int, describe: Callable[[Round], str]) -> dict[str, list[Round]]:
+    """One untimed warm-up pass of each contender, then ``rounds`` rounds of one pass each, in turn.
+
+    Warm-up first, for all alike: the page cache, the allocator, lazily imported code and the
+    first connection would otherwise count against whoever runs first.
+    """
+    for c in contenders:
+        started = time.perf_counter()
+        c.run()
+        progress(f"warm-up   {c.name}: {time.perf_counter() - started:.1f}s")
+    results: dict[str, list[Round]] = {c.name: [] for c in contenders}
+    for i in range(rounds):
+        for c in contenders:
+            r = c.run()
+            results[c.name].append(r)
+            progress(f"round {i + 1}/{rounds} {c.name}: {describe(r)}")
+    return results
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# -- data servers in their own processes -----------------------------------------------------------
+_SERVING = re.compile(r"serving on tcp://(\[[^\]]+\]|[^:\s]+):(\d+)")
+
+
+class ServerProcess:
+    """A data server in a child process, ready once it prints ``serving on tcp://HOST:PORT``.
+
+    Its stdout is drained by a thread (a full pipe would block the server); its stderr goes to
+    ``log_path`` and is quoted when the server fails.
+    """
+
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, ready_timeout: float = 60.0) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.ready_timeout = ready_timeout
+        self.host = ""
+        self.port = 0
+        self.exit_status: dict[str, Any] = {}
+        self._proc: subprocess.Popen[str] | None = None
+        self._lines: queue.Queue[str | None] = queue.Queue()
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None
+        return self._proc.pid
+
+    def __enter__(self) -> "ServerProcess":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:
+            self._proc = subprocess.Popen(
+                self.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1
+            )
+        threading.Thread(target=self._drain, name=f"stdout-{self.name}", daemon=True).start()
+        try:
+            self._await_ready()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _drain(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for line in self._proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _await_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.name}: no 'serving on' line within {self.ready_timeout:.0f}s{self._log_tail()}")
+            try:
+                line = self._lines.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                continue
+            if line is None:
+                assert self._proc is not None
+                rc = self._proc.wait(timeout=10)
+                raise RuntimeError(f"{self.name} exited with status {rc} before serving{self._log_tail()}")
+            match = _SERVING.search(line)
+            if match:
+                self.host, self.port = match.group(1).strip("[]"), int(match.group(2))
+                return
+
+    def stop(self, timeout: float = 10.0) -> dict[str, Any]:
+        """SIGTERM, then wait; a server that outlives ``timeout`` is killed and reported as such."""
+        proc = self._proc
+        if proc is None or self.exit_status:
+            return self.exit_status
+        status: dict[str, Any] = {"sigterm": False, "killed": False}
+        if proc.poll() is None:
+            started = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            status["sigterm"] = True
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+                status["killed"] = True
+            status["exit_s"] = round(time.monotonic() - started, 3)
+        status["exit_code"] = proc.returncode
+        status["clean"] = proc.returncode == 0 and not status["killed"]
+        self.exit_status = status
+        if not status["clean"]:
+            progress(f"WARNING: {self.name} did not exit cleanly after SIGTERM: {status}{self._log_tail()}")
+        return status
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            return ""
+        return ("\n  " + "\n  ".join(tail)) if tail else ""

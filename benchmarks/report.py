@@ -1,0 +1,199 @@
+"""The report of a benchmark run: medians, ranges and ratios, printed as markdown and written
+as ``<name>.json`` and ``<name>.md``, with where and with what the figures were taken."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from benchmarks.common import RESULTS_DIR, ROOT, Round
+
+__all__ = ["Metric", "RatioSpec", "environment", "build_report", "write_results"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A figure derived from a Round; the first metric of a report is the one ratios compare."""
+
+    unit: str
+    of: Callable[[Round], float]
+    fmt: str = "{:,.3g}"
+
+
+@dataclass(frozen=True)
+class RatioSpec:
+    numerator: str
+    denominator: str
+    target: float | None = None
+
+
+def _stats(values: Sequence[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": list(values)}
+
+
+def _ratio(num: Sequence[float], den: Sequence[float], target: float | None) -> dict[str, Any]:
+    per_round = [n / d for n, d in zip(num, den)]
+    of_medians = statistics.median(num) / statistics.median(den)
+    return {
+        "of_medians": of_medians,
+        "median_per_round": statistics.median(per_round),
+        "min_per_round": min(per_round),
+        "max_per_round": max(per_round),
+        "per_round": per_round,
+        "target": target,
+        "median_meets_target": None if target is None else of_medians >= target,
+    }
+
+
+def _cpu_per_gb(r: Round) -> float | None:
+    if not r.bytes:
+        return None
+    return (r.consumer_cpu_s + (r.producer_cpu_s or 0.0)) / (r.bytes / 1e9)
+
+
+def environment() -> dict[str, Any]:
+    """Where and with what the figures were taken."""
+    import pyarrow
+    import zmq
+
+    versions = {"python": platform.python_version(), "pyzmq": zmq.pyzmq_version(), "libzmq": zmq.zmq_version(),
+                "pyarrow": pyarrow.__version__, "numpy": np.__version__}
+    for dist in ("fuelline", "msgpack", "xxhash"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            versions[dist] = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor(),
+                    "loadavg_at_start": _loadavg()},
+        "versions": versions,
+        "source": _source_revision(),
+    }
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _source_revision() -> dict[str, Any]:
+    """The commit measured, and whether the tree had uncommitted changes (figures then describe
+    code that no commit holds)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "dirty": None}
+    if head.returncode != 0:
+        return {"commit": None, "dirty": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip()) if dirty.returncode == 0 else None}
+
+
+def build_report(
+    name: str,
+    title: str,
+    results: dict[str, list[Round]],
+    metrics: Sequence[Metric],
+    ratios: Sequence[RatioSpec],
+    parameters: dict[str, Any],
+    notes: Sequence[str],
+    env: dict[str, Any],
+    exits: dict[str, dict[str, Any]],
+    extra: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], str]:
+    """The JSON record and the markdown text of one benchmark run.
+
+    ``exits`` is how each sending process ended when told to stop: a server that crashes on the
+    way out is a finding too, and belongs next to its figures.
+    """
+    primary = metrics[0]
+    record: dict[str, Any] = {"benchmark": name, "title": title, **env, "parameters": parameters,
+                              "metrics": [m.unit for m in metrics], "contenders": {}, "ratios": {}}
+    record["machine"]["loadavg_at_end"] = _loadavg()
+    for contender, rounds in results.items():
+        entry: dict[str, Any] = {"rounds": [asdict(r) for r in rounds]}
+        for m in metrics:
+            entry[m.unit] = _stats([m.of(r) for r in rounds])
+        cpu = [c for c in (_cpu_per_gb(r) for r in rounds) if c is not None]
+        entry["cpu_s_per_gb"] = _stats(cpu) if cpu else None
+        record["contenders"][contender] = entry
+    for spec in ratios:
+        num = [primary.of(r) for r in results[spec.numerator]]
+        den = [primary.of(r) for r in results[spec.denominator]]
+        record["ratios"][f"{spec.numerator} / {spec.denominator}"] = _ratio(num, den, spec.target)
+    record["notes"] = list(notes)
+    record["process_exits"] = exits
+    if extra:
+        record.update(extra)
+    return record, _markdown(record, title, metrics)
+
+
+def _markdown(record: dict[str, Any], title: str, metrics: Sequence[Metric]) -> str:
+    rounds = len(next(iter(record["contenders"].values()))["rounds"])
+    head = ["contender"]
+    for m in metrics:
+        head += [f"median {m.unit}", f"min–max {m.unit}"]
+    head += ["CPU s/GB (both ends)", "rounds"]
+    lines = [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + "---|" + "---:|" * (len(head) - 1)]
+    for contender, entry in record["contenders"].items():
+        cells = [contender]
+        for m in metrics:
+            s = entry[m.unit]
+            cells += [m.fmt.format(s["median"]), f"{m.fmt.format(s['min'])}–{m.fmt.format(s['max'])}"]
+        cpu = entry["cpu_s_per_gb"]
+        cells += [f"{cpu['median']:.2f}" if cpu else "–", str(rounds)]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"Ratios of {metrics[0].unit}:", ""]
+    for label, r in record["ratios"].items():
+        target = ""
+        if r["target"] is not None:
+            verdict = "meets" if r["median_meets_target"] else "below"
+            target = f"; target ≥ {r['target']:.2f} ({verdict})"
+        lines.append(
+            f"- {label}: {r['of_medians']:.3f} (ratio of medians); median of per-round ratios "
+            f"{r['median_per_round']:.3f}, min–max {r['min_per_round']:.3f}–{r['max_per_round']:.3f}{target}"
+        )
+    m, v = record["machine"], record["versions"]
+    lines += [
+        "",
+        "Notes:",
+        "",
+        *[f"- {n}" for n in record["notes"]],
+        "- Sending processes when stopped (SIGTERM for servers): "
+        + "; ".join(f"{k}: exit {v.get('exit_code')}" + ("" if v.get("clean") else " (NOT clean)") for k, v in record["process_exits"].items())
+        + ".",
+        f"- {record['date']}; {m['cpu_count']} CPUs, {m['platform']}; load average {m['loadavg_at_start']} at start, "
+        f"{m['loadavg_at_end']} at end.",
+        "- " + ", ".join(f"{k} {val}" for k, val in v.items()) + ".",
+        f"- source: commit {record['source']['commit']}" + (" with uncommitted changes" if record["source"]["dirty"] else "") + ".",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_results(name: str, record: dict[str, Any], markdown: str, results_dir: Path = RESULTS_DIR) -> list[Path]:
+    """Write ``<name>.json`` and ``<name>.md``, each through a temporary file and a rename, so an
+    interrupted run never leaves half a result behind."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path, text in ((results_dir / f"{name}.json", json.dumps(record, indent=2) + "\n"),
+                       (results_dir / f"{name}.md", markdown)):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+        written.append(path)
+    return written

@@ -1,0 +1,220 @@
+"""Transport: 3 MB batches over tcp loopback, fuelline against bare pyzmq.
+
+Bare pyzmq is the ceiling: one preallocated array sent zero-copy over PUSH/PULL with a high-water
+mark of 10, rebuilt with ``np.frombuffer`` on arrival, and nothing else. fuelline sends the same
+array from a Fuel-style stream through ``start_server`` to ``ServerDataStream``, adding its
+headers, credit, sessions and (unless turned off) an xxh3 checksum per array, checked on arrival.
+Each sender runs in its own process, as a data server would.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+import tempfile
+from contextlib import ExitStack
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import zmq
+
+from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, time_batches
+from benchmarks.report import Metric, RatioSpec, build_report, environment, write_results
+from fuelline.client import ServerDataStream
+
+__all__ = ["run", "serve_repeated_array", "RepeatedArrayStream"]
+
+SHAPE = (256, 3000)
+DTYPE = np.float32
+HWM = 10
+HOST = "127.0.0.1"
+TIMEOUT_S = 60.0  # for any single wait: a connection, a batch, an acknowledgement
+
+BARE, FUELLINE, NO_CHECKSUM = "bare pyzmq", "fuelline", "fuelline --no-checksum"
+
+
+def make_array() -> np.ndarray:
+    """The one array every batch carries: random, so nothing on the way can compress it."""
+    return np.random.default_rng(0).random(SHAPE, dtype=DTYPE)
+
+
+# -- bare pyzmq ------------------------------------------------------------------------------------
+def _bare_sender(conn: Connection, hwm: int) -> None:
+    """Child process: bind PUSH, report the port, then per request send the array n times.
+
+    It leaves when asked (None), when the parent goes away (EOF), or after a long silence, so an
+    orphan never lingers.
+    """
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, int(TIMEOUT_S * 1000))
+    try:
+        port = sock.bind_to_random_port(f"tcp://{HOST}")
+        arr = make_array()
+        conn.send(port)
+        while conn.poll(10 * TIMEOUT_S):
+            n = conn.recv()
+            if n is None:
+                break
+            for _ in range(n):
+                sock.send(arr, copy=False)
+            conn.send(n)
+    except (EOFError, BrokenPipeError, zmq.Again):
+        pass
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+class BareSender:
+    """The bare pyzmq sender process (spawned, so it shares nothing with this one)."""
+
+    def __init__(self, hwm: int = HWM) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_bare_sender, args=(child, hwm), name="bare-pyzmq-sender", daemon=True)
+        self.port = 0
+        self.exit_status: dict[str, Any] = {}
+
+    @property
+    def pid(self) -> int:
+        assert self._proc.pid is not None
+        return self._proc.pid
+
+    def __enter__(self) -> "BareSender":
+        self._proc.start()
+        try:
+            self.port = self._await("port")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self._proc.join(10)
+        killed = self._proc.is_alive()
+        if killed:
+            self._proc.terminate()
+            self._proc.join(10)
+        self.exit_status = {"exit_code": self._proc.exitcode, "killed": killed, "clean": self._proc.exitcode == 0}
+
+    def _await(self, what: str) -> Any:
+        if not self._conn.poll(TIMEOUT_S):
+            raise TimeoutError(f"bare pyzmq sender: no {what} within {TIMEOUT_S:.0f}s")
+        return self._conn.recv()
+
+    def receive(self, batches: int) -> Iterator[tuple[np.ndarray]]:
+        """Connect a PULL socket, ask for ``batches`` arrays, and yield each as received."""
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, HWM)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(TIMEOUT_S * 1000))
+        try:
+            sock.connect(f"tcp://{HOST}:{self.port}")
+            self._conn.send(batches)  # the readiness handshake: it sends only once asked
+            for _ in range(batches):
+                frame = sock.recv(copy=False)
+                yield (np.frombuffer(frame, dtype=DTYPE).reshape(SHAPE),)
+            if self._await("acknowledgement") != batches:
+                raise RuntimeError("bare pyzmq sender acknowledged another count")
+        finally:
+            sock.close(linger=0)
+
+
+def bare_round(sender: BareSender, batches: int) -> Round:
+    return _checked(time_batches(sender.receive(batches), producer_pid=sender.pid), batches, BARE)
+
+
+# -- fuelline ------------------------------------------------------------------------------------
+class RepeatedArrayStream:
+    """The smallest Fuel-style stream: the same preallocated array, ``batches`` times an epoch."""
+
+    sources = ("features",)
+
+    def __init__(self, batches: int) -> None:
+        self.batches = batches
+        self.array = make_array()
+
+    def get_epoch_iterator(self, **kwargs: Any) -> Iterator[tuple[np.ndarray]]:
+        return ((self.array,) for _ in range(self.batches))
+
+
+def serve_repeated_array(batches: int, checksum: bool) -> None:
+    """Entry point of the server process (it prints ``serving on ...`` and serves until SIGTERM)."""
+    from fuelline.server import start_server
+
+    start_server(RepeatedArrayStream(batches), port=0, hwm=HWM, host=HOST, checksum=checksum)
+
+
+def fuelline_server(name: str, batches: int, checksum: bool, log_dir: Path) -> ServerProcess:
+    code = f"from benchmarks.transport import serve_repeated_array; serve_repeated_array({batches!r}, {checksum!r})"
+    return ServerProcess(name, [sys.executable, "-c", code], log_dir / f"{name.replace(' ', '_')}.log")
+
+
+def fuelline_round(server: ServerProcess, batches: int) -> Round:
+    with ServerDataStream(("features",), host=server.host, port=server.port, hwm=HWM, timeout=TIMEOUT_S,
+                          receive_timeout=TIMEOUT_S) as stream:
+        r = time_batches(stream.get_epoch_iterator(), producer_pid=server.pid)
+    return _checked(r, batches, server.name)
+
+
+def _checked(r: Round, batches: int, who: str) -> Round:
+    if r.batches != batches or r.rows != (batches - 1) * SHAPE[0]:
+        raise RuntimeError(f"{who}: {r.batches} batches / {r.rows} timed rows arrived, expected {batches}")
+    return r
+
+
+# -- the benchmark ----------------------------------------------------------------------------------
+def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
+    """Run the transport benchmark, print its table and write its results; returns the record."""
+    env = environment()
+    batch_bytes = int(np.prod(SHAPE)) * np.dtype(DTYPE).itemsize
+    with tempfile.TemporaryDirectory(prefix="fuelline-bench-") as logs, ExitStack() as stack:
+        bare = stack.enter_context(BareSender())
+        with_ck = stack.enter_context(fuelline_server(FUELLINE, batches, True, Path(logs)))
+        no_ck = stack.enter_context(fuelline_server(NO_CHECKSUM, batches, False, Path(logs)))
+        contenders = [
+            Contender(BARE, lambda: bare_round(bare, batches)),
+            Contender(FUELLINE, lambda: fuelline_round(with_ck, batches)),
+            Contender(NO_CHECKSUM, lambda: fuelline_round(no_ck, batches)),
+        ]
+        gbps = Metric("GB/s", lambda r: r.bytes / r.seconds / 1e9, "{:.3f}")
+        results = alternate(contenders, rounds, lambda r: f"{gbps.of(r):.3f} GB/s")
+        stack.close()  # stop the servers now: their exit status belongs in the record
+        exits = {BARE: bare.exit_status, FUELLINE: with_ck.exit_status, NO_CHECKSUM: no_ck.exit_status}
+    parameters = {
+        "rounds": rounds, "batches_per_round": batches, "shape": list(SHAPE), "dtype": np.dtype(DTYPE).name,
+        "batch_bytes": batch_bytes, "bytes_per_round": batch_bytes * batches, "hwm": HWM, "host": HOST,
+        "order": "one untimed warm-up pass of each, then rounds of " + ", ".join(c.name for c in contenders),
+    }
+    notes = [
+        f"{rounds} timed rounds of {batches} batches of {batch_bytes / 1e6:.3f} MB ({SHAPE[0]}×{SHAPE[1]} float32) each; "
+        "contenders run alternately (" + " ".join(c.name for c in contenders) + " ...), each round after one "
+        "untimed warm-up pass of every contender (no files are read, so there is no page cache to warm).",
+        "A rate counts the batches after the first over the time from the first batch's arrival to the last's: "
+        "connection setup and the first batch are excluded, alike for all contenders. GB = 10^9 bytes.",
+        "Every sender is a separate process on the same loopback; bare pyzmq is PUSH/PULL, send(copy=False) of "
+        "one preallocated array, recv(copy=False) + np.frombuffer, high-water mark 10.",
+        "fuelline: start_server(stream, port=0, hwm=10) in a child process, ServerDataStream(hwm=10) reading one "
+        "epoch per round (a new client each round); every array is touched (one element read).",
+        "CPU s/GB adds the consumer's and the sender's CPU time (all threads, /proc) over the timed span; on a "
+        "2-core machine it shows how much of the machine each contender needs.",
+    ]
+    record, md = build_report(
+        "transport", "transport — 3 MB batches over tcp loopback", results, [gbps],
+        [RatioSpec(FUELLINE, BARE, 0.80), RatioSpec(NO_CHECKSUM, BARE, 0.80), RatioSpec(FUELLINE, NO_CHECKSUM)],
+        parameters, notes, env, exits=exits,
+    )
+    print(md, flush=True)
+    for path in write_results("transport", record, md, results_dir):
+        print(f"wrote {path}", flush=True)
+    return record
