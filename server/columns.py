@@ -56,7 +56,11 @@ def to_numpy(column: pa.ChunkedArray | pa.Array, spec: ColumnSpec, where: str) -
     Raises:
         DataError: the column holds nulls, which a batch of numbers cannot represent.
     """
-    arr = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if isinstance(column, pa.ChunkedArray):
+        # combine_chunks copies even a single chunk; take that chunk as it is.
+        arr = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    else:
+        arr = column
     if isinstance(arr, pa.ExtensionArray):
         arr = arr.storage
     rows = len(arr)

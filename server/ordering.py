@@ -18,44 +18,68 @@ Nothing here depends on timing, worker counts or the number of clients.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-__all__ = ["epoch_rng", "epoch_order", "rank_rows", "rows_per_rank", "batches_per_rank"]
+__all__ = ["EpochPlan", "epoch_plan", "epoch_rng", "epoch_order", "rank_rows", "rows_per_rank", "batches_per_rank"]
 
 
 def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch)]))
 
 
-def epoch_order(
+@dataclass(frozen=True)
+class EpochPlan:
+    """One epoch's order and the blocks it was mixed in.
+
+    Attributes:
+        order: global row ids in serving order (before sharding).
+        unit_perm: the units in serving order.
+        block_units: consecutive units of ``unit_perm`` whose rows are mixed together.
+    """
+
+    order: np.ndarray
+    unit_perm: np.ndarray
+    block_units: int
+
+
+def epoch_plan(
     unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, block_units: int = 8
-) -> np.ndarray:
-    """Global row ids of one epoch, in the order they are served (before sharding).
+) -> EpochPlan:
+    """The plan of one epoch.
 
     Args:
         unit_lengths: rows per unit, in storage order; global row ids count through them.
         seed, epoch: the epoch's generator is seeded by both.
-        shuffle: False serves storage order.
+        shuffle: False serves storage order (one unit per block).
         block_units: how many consecutive units (after the unit permutation) mix their rows.
     """
     lengths = np.asarray(unit_lengths, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(lengths) else lengths
     total = int(lengths.sum())
     if not shuffle:
-        return np.arange(total, dtype=np.int64)
+        return EpochPlan(np.arange(total, dtype=np.int64), np.arange(len(lengths)), 1)
     if block_units < 1:
         raise ValueError(f"block_units must be >= 1, got {block_units}")
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     rng = epoch_rng(seed, epoch)
     perm = rng.permutation(len(lengths))
     perm_lengths = lengths[perm]
     # Row ids of the permuted units, laid end to end, without a Python loop over rows.
     offsets = np.repeat(starts[perm] - np.concatenate([[0], np.cumsum(perm_lengths)[:-1]]), perm_lengths)
     order = np.arange(total, dtype=np.int64) + offsets
-    bounds = np.concatenate([[0], np.cumsum(perm_lengths)])[:: block_units]
+    bounds = np.concatenate([[0], np.cumsum(perm_lengths)])[::block_units]
     bounds = np.append(bounds, total) if bounds[-1] != total else bounds
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         order[lo:hi] = order[lo:hi][rng.permutation(hi - lo)]
-    return order
+    return EpochPlan(order, perm, block_units)
+
+
+def epoch_order(
+    unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, block_units: int = 8
+) -> np.ndarray:
+    """Global row ids of one epoch, in the order they are served (before sharding)."""
+    return epoch_plan(unit_lengths, seed, epoch, shuffle, block_units).order
 
 
 def rows_per_rank(total: int, world_size: int) -> int:

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError
 from fuelline.server.columns import ColumnSpec, column_spec, to_numpy
-from fuelline.server.ordering import batches_per_rank, epoch_order, rank_rows
+from fuelline.server.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows
 
 __all__ = ["ParquetSource", "find_splits"]
 
@@ -83,7 +83,7 @@ class ParquetSource:
         seed: seeds every epoch's order together with the epoch number.
         shuffle: False serves rows in storage order.
         block_units: row groups whose rows are mixed together (bounds memory per client to
-            ``block_units + 1`` decoded row groups).
+            ``2 × block_units + 1`` decoded row groups).
 
     Raises:
         DataError: the path holds no Parquet, files disagree on a column's type, a split is empty.
@@ -203,21 +203,22 @@ class ParquetSource:
 
     def memory_per_client(self, split: str) -> int:
         """Upper bound of decoded row-group bytes one client's reader holds."""
-        return (self.block_units + 1) * self._splits[split].max_unit_bytes
+        return (2 * self.block_units + 1) * self._splits[split].max_unit_bytes
 
     @functools.lru_cache(maxsize=8)
-    def _order(self, split: str, epoch: int) -> np.ndarray:
+    def _plan(self, split: str, epoch: int) -> EpochPlan:
         s = self._splits[split]
-        order = epoch_order(s.unit_rows, self.seed, epoch, self.shuffle, self.block_units)
-        order.setflags(write=False)
-        return order
+        plan = epoch_plan(s.unit_rows, self.seed, epoch, self.shuffle, self.block_units)
+        plan.order.setflags(write=False)
+        return plan
 
     def iter_batches(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...]
     ) -> Iterator[dict[str, np.ndarray]]:
         s = self._splits[split]
-        rows = rank_rows(self._order(split, epoch), rank, world_size)
-        reader = _UnitReader(s, [self._columns[n] for n in sources], capacity=self.block_units + 1)
+        plan = self._plan(split, epoch)
+        rows = rank_rows(plan.order, rank, world_size)
+        reader = _BlockReader(s, [self._columns[n] for n in sources], plan)
         try:
             for b in range(start, self.batches_per_epoch(split, rank, world_size)):
                 yield reader.gather(rows[b * self.batch_size : (b + 1) * self.batch_size])
@@ -225,19 +226,32 @@ class ParquetSource:
             reader.close()
 
     def close(self) -> None:
-        self._order.cache_clear()
+        self._plan.cache_clear()
 
 
-class _UnitReader:
-    """One client's reader: decoded row groups in a small LRU, open files in another."""
+class _BlockReader:
+    """One client's reader. It holds the block a batch draws from (and the next one, for a
+    batch that straddles two) as one table per column, so a shuffled batch is one gather per
+    column, and each row group is decoded once per epoch."""
 
     MAX_OPEN_FILES = 32
+    BLOCKS_HELD = 2
 
-    def __init__(self, split: _Split, columns: list[ColumnSpec], capacity: int) -> None:
+    def __init__(self, split: _Split, columns: list[ColumnSpec], plan: EpochPlan) -> None:
         self.split = split
         self.columns = columns
-        self.capacity = capacity
-        self.units: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
+        self.plan = plan
+        k = plan.block_units
+        perm = plan.unit_perm
+        self.block_of_unit = np.empty(len(perm), dtype=np.int64)
+        self.block_of_unit[perm] = np.arange(len(perm)) // k
+        # Where each unit's first row sits in its block's table.
+        lengths = split.unit_rows[perm]
+        within = np.cumsum(lengths) - lengths
+        block_start = within[(np.arange(len(perm)) // k) * k]
+        self.unit_pos = np.empty(len(perm), dtype=np.int64)
+        self.unit_pos[perm] = within - block_start
+        self.blocks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
         self.files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
 
     def _file(self, i: int) -> pq.ParquetFile:
@@ -249,41 +263,59 @@ class _UnitReader:
         self.files[i] = pf
         return pf
 
-    def unit(self, u: int) -> dict[str, np.ndarray]:
-        data = self.units.pop(u, None)
+    def _decode(self, u: int) -> dict[str, np.ndarray]:
+        f, g = int(self.split.unit_file[u]), int(self.split.unit_group[u])
+        where = f"shard {self.split.files[f]}, row group {g}"
+        try:
+            table = self._file(f).read_row_group(g, columns=[c.name for c in self.columns])
+        except Exception as exc:
+            raise DataError(f"{where}: {exc}") from None
+        return {c.name: to_numpy(table.column(c.name), c, where) for c in self.columns}
+
+    def block(self, b: int) -> dict[str, np.ndarray]:
+        data = self.blocks.pop(b, None)
         if data is None:
-            f, g = int(self.split.unit_file[u]), int(self.split.unit_group[u])
-            where = f"shard {self.split.files[f]}, row group {g}"
-            try:
-                table = self._file(f).read_row_group(g, columns=[c.name for c in self.columns])
-            except Exception as exc:
-                raise DataError(f"{where}: {exc}") from None
-            data = {c.name: to_numpy(table.column(c.name), c, where) for c in self.columns}
-            if len(self.units) >= self.capacity:
-                self.units.popitem(last=False)
-        self.units[u] = data
+            k = self.plan.block_units
+            units = self.plan.unit_perm[b * k : (b + 1) * k]
+            if len(units) == 1:
+                data = self._decode(int(units[0]))  # nothing to mix: the decoded arrays as they are
+            else:
+                rows = int(self.split.unit_rows[units].sum())
+                data = {c.name: np.empty((rows, *c.shape), dtype=c.dtype) for c in self.columns}
+                for u in units:
+                    lo = int(self.unit_pos[u])
+                    for name, values in self._decode(int(u)).items():
+                        data[name][lo : lo + len(values)] = values
+            if len(self.blocks) >= self.BLOCKS_HELD:
+                self.blocks.popitem(last=False)
+        self.blocks[b] = data
         return data
 
     def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         units = np.searchsorted(self.split.unit_start, rows, side="right") - 1
-        offsets = rows - self.split.unit_start[units]
-        first = int(units[0])
-        if (units == first).all() and offsets[-1] - offsets[0] == len(rows) - 1 and (np.diff(offsets) == 1).all():
-            # A run of one row group in storage order: views, no copy. Safe to send zero-copy,
-            # since decoded row groups are never written to.
-            data = self.unit(first)
-            lo = int(offsets[0])
-            return {c.name: data[c.name][lo : lo + len(rows)] for c in self.columns}
+        pos = self.unit_pos[units] + (rows - self.split.unit_start[units])
+        blocks = self.block_of_unit[units]
+        first = int(blocks[0])
+        if (blocks == first).all():
+            table = self.block(first)
+            lo = int(pos[0])
+            if pos[-1] - lo == len(pos) - 1 and (np.diff(pos) == 1).all():
+                # A run in storage order: views, no copy. Safe to send zero-copy, since block
+                # tables are never written to once built.
+                return {c.name: table[c.name][lo : lo + len(pos)] for c in self.columns}
+            return {c.name: table[c.name].take(pos, axis=0) for c in self.columns}
         out = {c.name: np.empty((len(rows), *c.shape), dtype=c.dtype) for c in self.columns}
-        for u in np.unique(units):
-            mask = units == u
-            data = self.unit(int(u))
+        # In order of first appearance, so the block held longest is the one released first.
+        _, firsts = np.unique(blocks, return_index=True)
+        for b in blocks[np.sort(firsts)]:
+            mask = blocks == b
+            table = self.block(int(b))
             for c in self.columns:
-                out[c.name][mask] = data[c.name][offsets[mask]]
+                out[c.name][mask] = table[c.name][pos[mask]]
         return out
 
     def close(self) -> None:
         for pf in self.files.values():
             pf.close()
         self.files.clear()
-        self.units.clear()
+        self.blocks.clear()

@@ -82,7 +82,10 @@ class Server:
         self.limits = limits
         self.sessions: dict[bytes, Session] = {}
         self.endpoint: str | None = None
-        self._ctx = context or zmq.Context.instance()
+        # A context of its own, terminated at shutdown: that waits (up to the linger) until
+        # libzmq has sent or dropped every zero-copy frame, before their memory can go away.
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else zmq.Context()
         self._router: zmq.Socket | None = None
         self._stop_reason: str | None = None
         self._wake_r, self._wake_w = os.pipe()
@@ -303,8 +306,10 @@ class Server:
             session.join(2.0)
         self.sessions.clear()
         if self._router is not None:
-            self._router.close()
+            self._router.close()  # LINGER 1000: a Bye still queued gets a second to leave
             self._router = None
+        if self._own_ctx:
+            self._ctx.term()
         self._pipe_closed = True
         for fd in (self._wake_r, self._wake_w):
             try:
