@@ -98,6 +98,7 @@ class Connection:
         self._limits = limits
         self._ctx = context or zmq.Context.instance()
         self._commands: deque[tuple] = deque()
+        self._wake_pending = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -144,6 +145,11 @@ class Connection:
 
     def _command(self, cmd: tuple) -> None:
         self._commands.append(cmd)
+        # One byte per wake-up, not per command: the I/O thread clears the flag after emptying
+        # the pipe and before taking the commands, so a command queued after that rings again.
+        if self._wake_pending:
+            return
+        self._wake_pending = True
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
@@ -204,6 +210,7 @@ class Connection:
         self._bye_reason = ""
         backoff = self.BACKOFF_MIN
         retry_at = None  # when a lost connection is next retried
+        poller, poller_sock = zmq.Poller(), object()
         try:
             self._open()
             while not self._closing:
@@ -212,10 +219,12 @@ class Connection:
                     self.reconnects += 1
                     self._open()
                     retry_at = None
-                poller = zmq.Poller()
-                poller.register(self._wake_r, zmq.POLLIN)
-                if self._sock is not None:
-                    poller.register(self._sock, zmq.POLLIN)
+                if poller_sock is not self._sock:
+                    poller = zmq.Poller()
+                    poller.register(self._wake_r, zmq.POLLIN)
+                    if self._sock is not None:
+                        poller.register(self._sock, zmq.POLLIN)
+                    poller_sock = self._sock
                 wait = self._heartbeat / 4
                 if retry_at is not None:
                     wait = min(wait, max(0.0, retry_at - now))
@@ -262,6 +271,9 @@ class Connection:
                 pass
         except BlockingIOError:
             pass
+        # Only now: cleared before the drain, a ring during the drain would be swallowed with
+        # the flag left up, and no command would ring again.
+        self._wake_pending = False
         credit = 0
         while self._commands:
             cmd = self._commands.popleft()

@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping
 
@@ -72,6 +74,7 @@ class _Split:
     rows: int
     disk_bytes: int
     max_unit_bytes: int  # uncompressed bytes of the largest row group
+    metadata: list  # per file: its parsed footer, so opening it again parses nothing
 
 
 class ParquetSource:
@@ -102,6 +105,8 @@ class ParquetSource:
         self.shuffle = shuffle
         self.block_units = block_units
         self._columns: dict[str, ColumnSpec] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self.unservable: dict[str, str] = {}
         self._splits = {name: self._scan(name, files) for name, files in find_splits(path).items()}
         if not self._columns:
@@ -113,7 +118,7 @@ class ParquetSource:
 
     # -- scanning ----------------------------------------------------------------------------
     def _scan(self, split: str, files: list[str]) -> _Split:
-        unit_file, unit_group, unit_rows, unit_bytes = [], [], [], []
+        unit_file, unit_group, unit_rows, unit_bytes, metadata = [], [], [], [], []
         disk = 0
         for i, f in enumerate(files):
             try:
@@ -122,6 +127,7 @@ class ParquetSource:
             except Exception as exc:
                 raise DataError(f"shard {f}: not a readable Parquet file ({exc})") from None
             self._check_schema(f, schema)
+            metadata.append(meta)
             disk += os.path.getsize(f)
             for g in range(meta.num_row_groups):
                 rg = meta.row_group(g)
@@ -143,6 +149,7 @@ class ParquetSource:
             rows=int(rows.sum()),
             disk_bytes=disk,
             max_unit_bytes=max(unit_bytes),
+            metadata=metadata,
         )
 
     def _check_schema(self, file: str, schema: Any) -> None:
@@ -202,8 +209,15 @@ class ParquetSource:
         return batches_per_rank(self._splits[split].rows, world_size, self.batch_size)
 
     def memory_per_client(self, split: str) -> int:
-        """Upper bound of decoded row-group bytes one client's reader holds."""
-        return (2 * self.block_units + 1) * self._splits[split].max_unit_bytes
+        """Upper bound of decoded row-group bytes one client's reader holds: two blocks in use,
+        one being read ahead, and a row group being copied into it."""
+        return (3 * self.block_units + 1) * self._splits[split].max_unit_bytes
+
+    def _readahead_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="fuelline-read")
+            return self._pool
 
     @functools.lru_cache(maxsize=8)
     def _plan(self, split: str, epoch: int) -> EpochPlan:
@@ -218,7 +232,7 @@ class ParquetSource:
         s = self._splits[split]
         plan = self._plan(split, epoch)
         rows = rank_rows(plan.order, rank, world_size)
-        reader = _BlockReader(s, [self._columns[n] for n in sources], plan)
+        reader = _BlockReader(s, [self._columns[n] for n in sources], plan, self._readahead_pool())
         try:
             for b in range(start, self.batches_per_epoch(split, rank, world_size)):
                 yield reader.gather(rows[b * self.batch_size : (b + 1) * self.batch_size])
@@ -227,22 +241,26 @@ class ParquetSource:
 
     def close(self) -> None:
         self._plan.cache_clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class _BlockReader:
     """One client's reader. It holds the block a batch draws from (and the next one, for a
     batch that straddles two) as one table per column, so a shuffled batch is one gather per
-    column, and each row group is decoded once per epoch."""
+    column and each row group is decoded once per epoch. While a block is served, the next one
+    is decoded on the source's read-ahead threads, so decoding overlaps sending."""
 
-    MAX_OPEN_FILES = 32
     BLOCKS_HELD = 2
 
-    def __init__(self, split: _Split, columns: list[ColumnSpec], plan: EpochPlan) -> None:
+    def __init__(self, split: _Split, columns: list[ColumnSpec], plan: EpochPlan, pool: ThreadPoolExecutor) -> None:
         self.split = split
         self.columns = columns
         self.plan = plan
+        self.pool = pool
         k = plan.block_units
         perm = plan.unit_perm
+        self.n_blocks = -(-len(perm) // k)
         self.block_of_unit = np.empty(len(perm), dtype=np.int64)
         self.block_of_unit[perm] = np.arange(len(perm)) // k
         # Where each unit's first row sits in its block's table.
@@ -252,43 +270,45 @@ class _BlockReader:
         self.unit_pos = np.empty(len(perm), dtype=np.int64)
         self.unit_pos[perm] = within - block_start
         self.blocks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
-        self.files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
-
-    def _file(self, i: int) -> pq.ParquetFile:
-        pf = self.files.pop(i, None)
-        if pf is None:
-            pf = pq.ParquetFile(self.split.files[i], memory_map=True)
-            if len(self.files) >= self.MAX_OPEN_FILES:
-                self.files.popitem(last=False)[1].close()
-        self.files[i] = pf
-        return pf
+        self.pending: dict[int, Future] = {}
 
     def _decode(self, u: int) -> dict[str, np.ndarray]:
         f, g = int(self.split.unit_file[u]), int(self.split.unit_group[u])
-        where = f"shard {self.split.files[f]}, row group {g}"
+        path = self.split.files[f]
+        where = f"shard {path}, row group {g}"
         try:
-            table = self._file(f).read_row_group(g, columns=[c.name for c in self.columns])
+            # A handle per read: read-ahead threads share nothing, and the cached footer makes
+            # opening cheap.
+            with pq.ParquetFile(path, metadata=self.split.metadata[f], memory_map=True) as pf:
+                table = pf.read_row_group(g, columns=[c.name for c in self.columns])
         except Exception as exc:
             raise DataError(f"{where}: {exc}") from None
         return {c.name: to_numpy(table.column(c.name), c, where) for c in self.columns}
 
+    def _build(self, b: int) -> dict[str, np.ndarray]:
+        k = self.plan.block_units
+        units = self.plan.unit_perm[b * k : (b + 1) * k]
+        if len(units) == 1:
+            return self._decode(int(units[0]))  # nothing to mix: the decoded arrays as they are
+        rows = int(self.split.unit_rows[units].sum())
+        data = {c.name: np.empty((rows, *c.shape), dtype=c.dtype) for c in self.columns}
+        for u in units:
+            lo = int(self.unit_pos[u])
+            for name, values in self._decode(int(u)).items():
+                data[name][lo : lo + len(values)] = values
+        return data
+
     def block(self, b: int) -> dict[str, np.ndarray]:
         data = self.blocks.pop(b, None)
         if data is None:
-            k = self.plan.block_units
-            units = self.plan.unit_perm[b * k : (b + 1) * k]
-            if len(units) == 1:
-                data = self._decode(int(units[0]))  # nothing to mix: the decoded arrays as they are
-            else:
-                rows = int(self.split.unit_rows[units].sum())
-                data = {c.name: np.empty((rows, *c.shape), dtype=c.dtype) for c in self.columns}
-                for u in units:
-                    lo = int(self.unit_pos[u])
-                    for name, values in self._decode(int(u)).items():
-                        data[name][lo : lo + len(values)] = values
+            future = self.pending.pop(b, None)
+            data = future.result() if future is not None else self._build(b)
             if len(self.blocks) >= self.BLOCKS_HELD:
                 self.blocks.popitem(last=False)
         self.blocks[b] = data
+        ahead = b + 1
+        if ahead < self.n_blocks and ahead not in self.blocks and ahead not in self.pending:
+            self.pending[ahead] = self.pool.submit(self._build, ahead)
         return data
 
     def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -315,7 +335,7 @@ class _BlockReader:
         return out
 
     def close(self) -> None:
-        for pf in self.files.values():
-            pf.close()
-        self.files.clear()
+        for future in self.pending.values():
+            future.cancel()
+        self.pending.clear()
         self.blocks.clear()

@@ -92,6 +92,7 @@ class Server:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._pipe_closed = False
+        self._wake_pending = False
         self._thread: threading.Thread | None = None
         self.stats = {"malformed": 0, "dropped_silent": 0, "sessions": 0}
 
@@ -138,8 +139,11 @@ class Server:
         self.join(10)
 
     def _wake(self) -> None:
-        if self._pipe_closed:
-            return  # its fd numbers may belong to someone else by now
+        # One byte per wake-up, not per batch: the loop clears the flag after emptying the pipe
+        # and before it looks at the sessions, so a batch readied after that rings again.
+        if self._pipe_closed or self._wake_pending:
+            return  # (closed: its fd numbers may belong to someone else by now)
+        self._wake_pending = True
         try:
             os.write(self._wake_w, b"x")
         except (BlockingIOError, OSError):
@@ -170,6 +174,7 @@ class Server:
                             pass
                     except BlockingIOError:
                         pass
+                    self._wake_pending = False  # after the drain, or a ring during it is lost
                 for session in list(self.sessions.values()):
                     self._flush(session)
                 now = time.monotonic()

@@ -208,3 +208,14 @@ def test_many_clients_at_once_each_get_a_full_epoch(sample_dataset: Path, start_
     assert len(results) == 6
     assert all(r == results[0] for r in results.values())
     assert sorted(results[0]) == list(range(8000))
+
+
+@pytest.mark.parametrize("hwm", [1, 3, 10])
+def test_long_stream_of_small_batches_never_stalls(sample_dataset: Path, start_serve, hwm: int) -> None:
+    # Thousands of credit round trips: a lost wake-up between the user's thread and the client's
+    # I/O thread (or the server's producer and loop) would leave the stream waiting forever.
+    server = start_serve(sample_dataset, "--batch-size", "4")
+    with ServerDataStream(("sample_id",), endpoints=[server.endpoint], hwm=hwm, timeout=TIMEOUT, receive_timeout=10) as s:
+        for _ in range(2):
+            ids = np.concatenate([b[0] for b in s.get_epoch_iterator()])
+            assert sorted(ids.tolist()) == list(range(8000))
