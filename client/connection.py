@@ -112,6 +112,8 @@ class Connection:
         self._bye_pending = False
         self._pos = (0, 0)
         self._undelivered = 0
+        self._pending_credit = 0  # batches the user took, not yet returned to the server as credit
+        self._credit_group = max(1, hwm // 4)
         self._server_heartbeat = heartbeat
         self._connected = False
 
@@ -185,11 +187,13 @@ class Connection:
     def _say_hello(self) -> None:
         # A new generation per Hello: batches of a session this Hello replaces are told apart.
         self._gen += 1
+        self._pending_credit = 0  # the Hello's credit (hwm - undelivered) includes it
         self._send(self._hello())
         self._hello_sent = time.monotonic()
         self._awaiting_welcome = True
 
     def _close_socket(self) -> None:
+        self._pending_credit = 0  # the next Hello's credit includes it
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
@@ -274,24 +278,28 @@ class Connection:
         # Only now: cleared before the drain, a ring during the drain would be swallowed with
         # the flag left up, and no command would ring again.
         self._wake_pending = False
-        credit = 0
         while self._commands:
             cmd = self._commands.popleft()
             if cmd[0] == "credit":
                 if cmd[1] == self._stream:
-                    credit += cmd[2]
+                    self._pending_credit += cmd[2]
                     self._undelivered -= cmd[2]
             elif cmd[0] == "seek":
-                credit = 0
                 self._stream, self._pos, self._undelivered = cmd[1], (cmd[2], cmd[3]), 0
                 if self._sock is not None:
                     self._say_hello()
             elif cmd[0] == "close":
                 self._closing = True
-        # Sent even before a Welcome: the server reads it after the Hello on the same connection.
-        # Without a socket, the next Hello's credit (hwm - undelivered) accounts for it.
-        if credit > 0:
-            self._send(Credit(credit))
+        self._flush_credit()
+
+    def _flush_credit(self) -> None:
+        """Return credit in groups of a quarter of hwm (fewer messages and wake-ups on both
+        sides), but at once when the user has nothing left to take, so the server never idles
+        while the user waits. Sent even before a Welcome: the server reads it after the Hello on
+        the same connection; without a socket, the next Hello's credit accounts for it."""
+        if self._pending_credit and (self._pending_credit >= self._credit_group or self.out.empty()):
+            self._send(Credit(self._pending_credit))
+            self._pending_credit = 0
 
     def _drain_socket(self) -> None:
         assert self._sock is not None
