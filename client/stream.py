@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import time
 import uuid
 from typing import Any, Iterator, Mapping, Sequence
@@ -11,7 +10,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import zmq
 
 from fuelline.client.connection import Connection, Item
-from fuelline.protocol import DEFAULT_LIMITS, FuellineError, Hello, Limits, ReceiveTimeout, ServerUnavailable
+from fuelline.protocol import DEFAULT_LIMITS, Hello, Limits, ReceiveTimeout
 
 __all__ = ["ServerDataStream"]
 
@@ -230,27 +229,17 @@ class ServerDataStream:
             self._pos = (epoch, cursor)
 
     def _welcome(self) -> Any:
-        conn = self._connection()
-        if not conn.welcomed.wait(self.timeout):
-            raise ServerUnavailable(self.endpoint, self.timeout, "no welcome")
-        assert conn.welcome is not None
-        return conn.welcome
+        return self._connection().wait_welcome(self.timeout)
 
     def _take(self) -> Item:
         conn = self._connection()
         started = time.monotonic()
         while True:
-            try:
-                item = conn.out.get(timeout=0.1)
-            except queue.Empty:
-                if not conn.alive and conn.out.empty():
-                    raise FuellineError(f"the connection to {self.endpoint} has stopped")
+            item = conn.take(0.25)
+            if item is None:
                 if self.receive_timeout is not None and time.monotonic() - started > self.receive_timeout:
                     raise ReceiveTimeout(f"no batch from {self.endpoint} in {self.receive_timeout:.1f}s")
                 continue
-            if item.kind == "error":
-                assert item.error is not None
-                raise item.error
             if item.stream == self._stream:
                 return item
             # An item of a stream left behind by a seek: drop it.

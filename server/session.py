@@ -56,6 +56,7 @@ class Session:
         self._ready: deque[Item] = deque()
         self._cond = threading.Condition()
         self._stopped = False
+        self._producer_waiting = False
         self._thread = threading.Thread(target=self._produce, name=f"fuelline-{name}", daemon=True)
 
     @property
@@ -83,6 +84,8 @@ class Session:
     def take_sendable(self) -> list[Item]:
         """Items the loop may send now, in order, with their credit already taken."""
         out: list[Item] = []
+        if not self._ready:
+            return out  # (a racy peek is fine: a producer that appends rings the loop again)
         with self._cond:
             while self._ready:
                 kind, frames = self._ready[0]
@@ -93,15 +96,17 @@ class Session:
                     self.in_flight += 1
                     self.sent_batches += 1
                 out.append(self._ready.popleft())
-            if out:
-                self._cond.notify_all()
+            if out and self._producer_waiting:
+                self._cond.notify()  # only the producer ever waits, and notify costs even with none
         return out
 
     # -- producer thread -----------------------------------------------------------------------
     def _put(self, item: Item) -> bool:
         with self._cond:
             while len(self._ready) >= self.hwm and not self._stopped:
+                self._producer_waiting = True
                 self._cond.wait(0.5)
+                self._producer_waiting = False
             if self._stopped:
                 return False
             self._ready.append(item)
