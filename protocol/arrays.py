@@ -24,8 +24,9 @@ WIRE_DTYPES = frozenset(
     ["|b1", "|i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8"]
 )
 
-# Checksum algorithms a batch header may name. xxh3 runs at tens of GB/s, so verifying every
-# frame costs a few percent of loopback bandwidth where CRC32 would cost half of it.
+# Checksum algorithms a batch header may name. xxh3 runs at ~25 GB/s, CRC32 (zlib) at ~5: on
+# a loopback stream of 3 MB batches, checking with xxh3 costs about a fifth of the throughput,
+# with CRC32 it cost half (each end makes one more pass over every byte).
 CHECKSUMS = ("xxh3_64",)
 
 

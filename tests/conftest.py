@@ -115,36 +115,37 @@ def sample_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def start_serve(tmp_path: Path) -> Iterator:
-    """Start ``fuelline serve DATASET --port 0 …`` processes; all are stopped at teardown."""
+def servers(tmp_path: Path) -> Iterator[list[ServerProcess]]:
+    """Every server process a test starts; all are stopped at teardown."""
     started: list[ServerProcess] = []
-
-    def start(dataset: Path | str, *options: str) -> ServerProcess:
-        args = [sys.executable, "-m", "fuelline.server.cli", "serve", str(dataset), "--port", "0", *options]
-        server = ServerProcess(args, tmp_path / f"serve-{len(started)}.log")
-        started.append(server)
-        return server
-
-    yield start
+    yield started
     for server in started:
         server.close()
 
 
 @pytest.fixture
-def start_script(tmp_path: Path) -> Iterator:
+def start_serve(tmp_path: Path, servers: list[ServerProcess]):
+    """Start ``fuelline serve DATASET --port 0 …`` processes."""
+
+    def start(dataset: Path | str, *options: str) -> ServerProcess:
+        args = [sys.executable, "-m", "fuelline.server.cli", "serve", str(dataset), "--port", "0", *options]
+        servers.append(ServerProcess(args, tmp_path / f"server-{len(servers)}.log"))
+        return servers[-1]
+
+    return start
+
+
+@pytest.fixture
+def start_script(tmp_path: Path, servers: list[ServerProcess]):
     """Run a Python snippet (that calls start_server with port=0) as a server process."""
-    started: list[ServerProcess] = []
 
     def start(code: str) -> ServerProcess:
-        script = tmp_path / f"script-{len(started)}.py"
+        script = tmp_path / f"server-{len(servers)}.py"
         script.write_text(textwrap.dedent(code))
-        server = ServerProcess([sys.executable, str(script)], tmp_path / f"script-{len(started)}.log")
-        started.append(server)
-        return server
+        servers.append(ServerProcess([sys.executable, str(script)], tmp_path / f"server-{len(servers)}.log"))
+        return servers[-1]
 
-    yield start
-    for server in started:
-        server.close()
+    return start
 
 
 @pytest.fixture
