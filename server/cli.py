@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--hwm", type=_positive_int, default=10)
     stream.add_argument("--timeout", type=_seconds, default=60.0)
     stream.add_argument("--json", action="store_true", help="print one JSON object per epoch")
+
+    serve.set_defaults(func=_serve)
+    sample.set_defaults(func=_sample)
+    stream.set_defaults(func=_stream)
+    # Subcommands that live beside what they run: each module adds its parser and its function.
+    from fuelline.server.ingest import commands as ingest_commands
+
+    ingest_commands.register(sub)
     return parser
 
 
@@ -155,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return {"serve": _serve, "sample": _sample, "stream": _stream}[args.command](args)
+        return args.func(args)
     except (FuellineError, FileExistsError) as exc:
         print(f"fuelline {args.command}: error: {exc}", file=sys.stderr)
         return 2

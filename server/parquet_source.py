@@ -8,21 +8,17 @@ row group; the order of an epoch is ``fuelline.server.ordering.epoch_order``.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import threading
-from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError
 from fuelline.server.columns import ColumnSpec, column_spec, to_numpy
-from fuelline.server.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows
+from fuelline.server.blocks import UnitSource
 
 __all__ = ["ParquetSource", "find_splits"]
 
@@ -77,7 +73,7 @@ class _Split:
     metadata: list  # per file: its parsed footer, so opening it again parses nothing
 
 
-class ParquetSource:
+class ParquetSource(UnitSource):
     """Batches of a Parquet dataset, deterministically ordered, sharded per rank.
 
     Args:
@@ -95,18 +91,9 @@ class ParquetSource:
     def __init__(
         self, path: str, *, batch_size: int = 64, seed: int = 0, shuffle: bool = True, block_units: int = 8
     ) -> None:
-        if batch_size < 1:
-            raise DataError(f"--batch-size must be >= 1, got {batch_size}")
-        if block_units < 1:
-            raise DataError(f"--shuffle-block must be >= 1, got {block_units}")
+        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units)
         self.path = path
-        self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.block_units = block_units
         self._columns: dict[str, ColumnSpec] = {}
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_lock = threading.Lock()
         self.unservable: dict[str, str] = {}
         self._splits = {name: self._scan(name, files) for name, files in find_splits(path).items()}
         if not self._columns:
@@ -205,137 +192,29 @@ class ParquetSource:
             "shuffle_block": self.block_units,
         }
 
-    def batches_per_epoch(self, split: str, rank: int, world_size: int) -> int:
-        return batches_per_rank(self._splits[split].rows, world_size, self.batch_size)
-
     def memory_per_client(self, split: str) -> int:
         """Upper bound of decoded row-group bytes one client's reader holds: two blocks in use,
         one being read ahead, and a row group being copied into it."""
         return (3 * self.block_units + 1) * self._splits[split].max_unit_bytes
 
-    def _readahead_pool(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="fuelline-read")
-            return self._pool
+    # -- UnitSource ---------------------------------------------------------------------------
+    def unit_rows(self, split: str) -> np.ndarray:
+        return self._splits[split].unit_rows
 
-    @functools.lru_cache(maxsize=8)
-    def _plan(self, split: str, epoch: int) -> EpochPlan:
-        s = self._splits[split]
-        plan = epoch_plan(s.unit_rows, self.seed, epoch, self.shuffle, self.block_units)
-        plan.order.setflags(write=False)
-        return plan
+    def column_specs(self, sources: tuple[str, ...]) -> list[ColumnSpec]:
+        return [self._columns[n] for n in sources]
 
-    def iter_batches(
-        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...]
-    ) -> Iterator[dict[str, np.ndarray]]:
-        s = self._splits[split]
-        plan = self._plan(split, epoch)
-        rows = rank_rows(plan.order, rank, world_size)
-        reader = _BlockReader(s, [self._columns[n] for n in sources], plan, self._readahead_pool())
-        try:
-            for b in range(start, self.batches_per_epoch(split, rank, world_size)):
-                yield reader.gather(rows[b * self.batch_size : (b + 1) * self.batch_size])
-        finally:
-            reader.close()
-
-    def close(self) -> None:
-        self._plan.cache_clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-class _BlockReader:
-    """One client's reader. It holds the block a batch draws from (and the next one, for a
-    batch that straddles two) as one table per column, so a shuffled batch is one gather per
-    column and each row group is decoded once per epoch. While a block is served, the next one
-    is decoded on the source's read-ahead threads, so decoding overlaps sending."""
-
-    BLOCKS_HELD = 2
-
-    def __init__(self, split: _Split, columns: list[ColumnSpec], plan: EpochPlan, pool: ThreadPoolExecutor) -> None:
-        self.split = split
-        self.columns = columns
-        self.plan = plan
-        self.pool = pool
-        k = plan.block_units
-        perm = plan.unit_perm
-        self.n_blocks = -(-len(perm) // k)
-        self.block_of_unit = np.empty(len(perm), dtype=np.int64)
-        self.block_of_unit[perm] = np.arange(len(perm)) // k
-        # Where each unit's first row sits in its block's table.
-        lengths = split.unit_rows[perm]
-        within = np.cumsum(lengths) - lengths
-        block_start = within[(np.arange(len(perm)) // k) * k]
-        self.unit_pos = np.empty(len(perm), dtype=np.int64)
-        self.unit_pos[perm] = within - block_start
-        self.blocks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
-        self.pending: dict[int, Future] = {}
-
-    def _decode(self, u: int) -> dict[str, np.ndarray]:
-        f, g = int(self.split.unit_file[u]), int(self.split.unit_group[u])
-        path = self.split.files[f]
+    def decode_unit(self, split: str, u: int, columns: list[ColumnSpec]) -> dict[str, np.ndarray]:
+        sp = self._splits[split]
+        f, g = int(sp.unit_file[u]), int(sp.unit_group[u])
+        path = sp.files[f]
         where = f"shard {path}, row group {g}"
         try:
             # A handle per read: read-ahead threads share nothing, and the cached footer makes
             # opening cheap.
-            with pq.ParquetFile(path, metadata=self.split.metadata[f], memory_map=True) as pf:
-                table = pf.read_row_group(g, columns=[c.name for c in self.columns])
+            with pq.ParquetFile(path, metadata=sp.metadata[f], memory_map=True) as pf:
+                table = pf.read_row_group(g, columns=[c.name for c in columns])
         except Exception as exc:
             raise DataError(f"{where}: {exc}") from None
-        return {c.name: to_numpy(table.column(c.name), c, where) for c in self.columns}
+        return {c.name: to_numpy(table.column(c.name), c, where) for c in columns}
 
-    def _build(self, b: int) -> dict[str, np.ndarray]:
-        k = self.plan.block_units
-        units = self.plan.unit_perm[b * k : (b + 1) * k]
-        if len(units) == 1:
-            return self._decode(int(units[0]))  # nothing to mix: the decoded arrays as they are
-        rows = int(self.split.unit_rows[units].sum())
-        data = {c.name: np.empty((rows, *c.shape), dtype=c.dtype) for c in self.columns}
-        for u in units:
-            lo = int(self.unit_pos[u])
-            for name, values in self._decode(int(u)).items():
-                data[name][lo : lo + len(values)] = values
-        return data
-
-    def block(self, b: int) -> dict[str, np.ndarray]:
-        data = self.blocks.pop(b, None)
-        if data is None:
-            future = self.pending.pop(b, None)
-            data = future.result() if future is not None else self._build(b)
-            if len(self.blocks) >= self.BLOCKS_HELD:
-                self.blocks.popitem(last=False)
-        self.blocks[b] = data
-        ahead = b + 1
-        if ahead < self.n_blocks and ahead not in self.blocks and ahead not in self.pending:
-            self.pending[ahead] = self.pool.submit(self._build, ahead)
-        return data
-
-    def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
-        units = np.searchsorted(self.split.unit_start, rows, side="right") - 1
-        pos = self.unit_pos[units] + (rows - self.split.unit_start[units])
-        blocks = self.block_of_unit[units]
-        first = int(blocks[0])
-        if (blocks == first).all():
-            table = self.block(first)
-            lo = int(pos[0])
-            if pos[-1] - lo == len(pos) - 1 and (np.diff(pos) == 1).all():
-                # A run in storage order: views, no copy. Safe to send zero-copy, since block
-                # tables are never written to once built.
-                return {c.name: table[c.name][lo : lo + len(pos)] for c in self.columns}
-            return {c.name: table[c.name].take(pos, axis=0) for c in self.columns}
-        out = {c.name: np.empty((len(rows), *c.shape), dtype=c.dtype) for c in self.columns}
-        # In order of first appearance, so the block held longest is the one released first.
-        _, firsts = np.unique(blocks, return_index=True)
-        for b in blocks[np.sort(firsts)]:
-            mask = blocks == b
-            table = self.block(int(b))
-            for c in self.columns:
-                out[c.name][mask] = table[c.name][pos[mask]]
-        return out
-
-    def close(self) -> None:
-        for future in self.pending.values():
-            future.cancel()
-        self.pending.clear()
-        self.blocks.clear()

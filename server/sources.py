@@ -2,7 +2,8 @@
 
 A source knows its sources (the arrays of a batch), its splits, and can produce batch ``start``,
 ``start + 1``... of any epoch for any rank, deterministically. Two implementations:
-``fuelline.server.parquet_source.ParquetSource`` and, for any Fuel-style stream,
+``fuelline.server.parquet_source.ParquetSource``, the aligned windows of a converted multimodal
+dataset (``fuelline.server.windows.source.WindowSource``) and, for any Fuel-style stream,
 ``fuelline.server.fuel_source.FuelStreamSource``.
 """
 
@@ -12,15 +13,7 @@ from typing import Any, Iterator, Mapping, Protocol
 
 import numpy as np
 
-__all__ = ["BatchSource", "Slot"]
-
-
-class Slot(Protocol):
-    """Where a session reads from: one split of a source, for one rank."""
-
-    split: str
-    rank: int
-    world_size: int
+__all__ = ["BatchSource"]
 
 
 class BatchSource(Protocol):

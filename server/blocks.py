@@ -1,0 +1,196 @@
+"""Serving units of rows (row groups, recordings) in epoch order, a block at a time.
+
+``UnitSource`` is the part every unit-based source shares: the epoch plan (see
+``fuelline.server.ordering``), sharding, batch counts, and a per-client ``BlockReader`` that
+decodes whole blocks of units ahead of need. A source supplies how many rows each unit has and how
+to decode one unit into column arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterator, Protocol, Sequence
+
+import numpy as np
+
+from fuelline.server.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows
+
+__all__ = ["Column", "UnitSource", "BlockReader"]
+
+
+class Column(Protocol):
+    """What a reader needs to know of a column: its name, dtype and per-row shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class UnitSource:
+    """Base of sources whose data comes in units; subclasses implement ``unit_rows``,
+    ``column_specs`` and ``decode_unit``, and may override ``finish_batch``."""
+
+    def __init__(self, *, batch_size: int, seed: int, shuffle: bool, block_units: int) -> None:
+        from fuelline.protocol import DataError
+
+        if batch_size < 1:
+            raise DataError(f"--batch-size must be >= 1, got {batch_size}")
+        if block_units < 1:
+            raise DataError(f"--shuffle-block must be >= 1, got {block_units}")
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.block_units = block_units
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+
+    # -- what a subclass supplies ---------------------------------------------------------------
+    def unit_rows(self, split: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def column_specs(self, sources: tuple[str, ...]) -> Sequence[Column]:
+        raise NotImplementedError
+
+    def decode_unit(self, split: str, u: int, columns: Sequence[Column]) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def finish_batch(self, split: str, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Last touches on a gathered batch (preprocessing stages); the default is none."""
+        return batch
+
+    # -- shared ----------------------------------------------------------------------------------
+    def rows(self, split: str) -> int:
+        return int(self.unit_rows(split).sum())
+
+    def batches_per_epoch(self, split: str, rank: int, world_size: int) -> int:
+        return batches_per_rank(self.rows(split), world_size, self.batch_size)
+
+    @functools.lru_cache(maxsize=8)
+    def _plan(self, split: str, epoch: int) -> EpochPlan:
+        plan = epoch_plan(self.unit_rows(split), self.seed, epoch, self.shuffle, self.block_units)
+        plan.order.setflags(write=False)
+        return plan
+
+    def _readahead_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="fuelline-read")
+            return self._pool
+
+    def iter_batches(
+        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...]
+    ) -> Iterator[dict[str, np.ndarray]]:
+        plan = self._plan(split, epoch)
+        rows = rank_rows(plan.order, rank, world_size)
+        columns = list(self.column_specs(sources))
+        reader = BlockReader(
+            self.unit_rows(split), columns, plan, self._readahead_pool(),
+            lambda u: self.decode_unit(split, u, columns),
+        )
+        try:
+            for b in range(start, self.batches_per_epoch(split, rank, world_size)):
+                batch = reader.gather(rows[b * self.batch_size : (b + 1) * self.batch_size])
+                yield self.finish_batch(split, batch)
+        finally:
+            reader.close()
+
+    def close(self) -> None:
+        self._plan.cache_clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class BlockReader:
+    """One client's reader. It holds the block a batch draws from (and the next one, for a
+    batch that straddles two) as one table per column, so a shuffled batch is one gather per
+    column and each row group is decoded once per epoch. While a block is served, the next one
+    is decoded on the source's read-ahead threads, so decoding overlaps sending."""
+
+    BLOCKS_HELD = 2
+
+    def __init__(
+        self,
+        unit_rows: np.ndarray,
+        columns: Sequence[Column],
+        plan: EpochPlan,
+        pool: ThreadPoolExecutor,
+        decode: Callable[[int], dict[str, np.ndarray]],
+    ) -> None:
+        self.unit_rows = unit_rows
+        self.unit_start = np.concatenate([[0], np.cumsum(unit_rows)[:-1]]).astype(np.int64)
+        self.columns = columns
+        self.plan = plan
+        self.pool = pool
+        self.decode = decode
+        k = plan.block_units
+        perm = plan.unit_perm
+        self.n_blocks = -(-len(perm) // k)
+        self.block_of_unit = np.empty(len(perm), dtype=np.int64)
+        self.block_of_unit[perm] = np.arange(len(perm)) // k
+        # Where each unit's first row sits in its block's table.
+        lengths = unit_rows[perm]
+        within = np.cumsum(lengths) - lengths
+        block_start = within[(np.arange(len(perm)) // k) * k]
+        self.unit_pos = np.empty(len(perm), dtype=np.int64)
+        self.unit_pos[perm] = within - block_start
+        self.blocks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
+        self.pending: dict[int, Future] = {}
+
+    def _build(self, b: int) -> dict[str, np.ndarray]:
+        k = self.plan.block_units
+        units = self.plan.unit_perm[b * k : (b + 1) * k]
+        if len(units) == 1:
+            return self.decode(int(units[0]))  # nothing to mix: the decoded arrays as they are
+        rows = int(self.unit_rows[units].sum())
+        data = {c.name: np.empty((rows, *c.shape), dtype=c.dtype) for c in self.columns}
+        for u in units:
+            lo = int(self.unit_pos[u])
+            for name, values in self.decode(int(u)).items():
+                data[name][lo : lo + len(values)] = values
+        return data
+
+    def block(self, b: int) -> dict[str, np.ndarray]:
+        data = self.blocks.pop(b, None)
+        if data is None:
+            future = self.pending.pop(b, None)
+            data = future.result() if future is not None else self._build(b)
+            if len(self.blocks) >= self.BLOCKS_HELD:
+                self.blocks.popitem(last=False)
+        self.blocks[b] = data
+        ahead = b + 1
+        if ahead < self.n_blocks and ahead not in self.blocks and ahead not in self.pending:
+            self.pending[ahead] = self.pool.submit(self._build, ahead)
+        return data
+
+    def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        units = np.searchsorted(self.unit_start, rows, side="right") - 1
+        pos = self.unit_pos[units] + (rows - self.unit_start[units])
+        blocks = self.block_of_unit[units]
+        first = int(blocks[0])
+        if (blocks == first).all():
+            table = self.block(first)
+            lo = int(pos[0])
+            if pos[-1] - lo == len(pos) - 1 and (np.diff(pos) == 1).all():
+                # A run in storage order: views, no copy. Safe to send zero-copy, since block
+                # tables are never written to once built.
+                return {c.name: table[c.name][lo : lo + len(pos)] for c in self.columns}
+            return {c.name: table[c.name].take(pos, axis=0) for c in self.columns}
+        out = {c.name: np.empty((len(rows), *c.shape), dtype=c.dtype) for c in self.columns}
+        # In order of first appearance, so the block held longest is the one released first.
+        _, firsts = np.unique(blocks, return_index=True)
+        for b in blocks[np.sort(firsts)]:
+            mask = blocks == b
+            table = self.block(int(b))
+            for c in self.columns:
+                out[c.name][mask] = table[c.name][pos[mask]]
+        return out
+
+    def close(self) -> None:
+        for future in self.pending.values():
+            future.cancel()
+        self.pending.clear()
+        self.blocks.clear()

@@ -1,0 +1,183 @@
+"""The manifest of a converted multimodal dataset (``manifest.json`` at the dataset's root).
+
+Layout of a converted dataset::
+
+    DATASET/
+      manifest.json
+      <modality>/part-NNNNN.parquet   one file per shard and modality; one row group per recording,
+                                      columns ``t`` (float64, master-clock seconds, ascending) and
+                                      ``x`` (fixed_size_list<float32>[channels])
+
+The manifest says everything a server needs before reading a sample: the modalities (nominal
+rate, channel names), the emotions, each recording (metadata, split, and per modality where its
+samples are: file, row group, count, first and last master time), per-channel statistics of the
+train split for normalisation, class counts, and the bytes read and written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from fuelline.protocol import DataError
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST_NAME",
+    "EMOTIONS",
+    "MODALITIES",
+    "EEG_CHANNELS",
+    "Modality",
+    "Placement",
+    "Recording",
+    "Manifest",
+    "is_converted_dataset",
+]
+
+FORMAT = "fuelline-multimodal/1"
+MANIFEST_NAME = "manifest.json"
+EMOTIONS = ("neutral", "happiness", "sadness", "surprise", "anger", "fear")
+EEG_CHANNELS = ("AF3", "F7", "F3", "FC5", "T7", "P7", "O1", "O2", "P8", "T8", "FC6", "F4", "F8", "AF4")
+# Nominal rates in Hz, in the order modalities are served.
+MODALITIES = {"eeg": 128, "ecg": 256, "gsr": 4, "video": 30}
+
+
+@dataclass(frozen=True)
+class Modality:
+    """A device: its nominal rate and channel names."""
+
+    name: str
+    rate: int
+    channels: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if self.rate <= 0 or not self.channels:
+            raise ValueError(f"modality {self.name!r} needs a positive rate and channels")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one recording's samples of one modality are stored."""
+
+    file: str  # relative to the dataset root
+    row_group: int
+    rows: int
+    t_first: float  # master-clock seconds of the first and last sample
+    t_last: float
+
+
+@dataclass(frozen=True)
+class Recording:
+    """One participant watching one stimulus, as recordings.tsv describes it, plus its split."""
+
+    id: str
+    participant: int
+    video: int
+    emotion: str
+    arousal: float
+    valence: float
+    split: str
+    modalities: Mapping[str, Placement]
+
+    @property
+    def label(self) -> int:
+        return EMOTIONS.index(self.emotion)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Everything about a converted dataset but its samples."""
+
+    modalities: Mapping[str, Modality]
+    recordings: tuple[Recording, ...]
+    stats: Mapping[str, Mapping[str, list[float]]]  # modality -> {"mean": [...], "std": [...]} (train split)
+    source_bytes: int
+    dataset_bytes: int
+    seed: int
+    val_fraction: float
+    emotions: tuple[str, ...] = EMOTIONS
+    format: str = FORMAT
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def split(self, name: str) -> tuple[Recording, ...]:
+        return tuple(r for r in self.recordings if r.split == name)
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return tuple(sorted({r.split for r in self.recordings}, key=lambda s: (s != "train", s)))
+
+    def class_counts(self, split: str) -> dict[str, int]:
+        """Recordings per emotion in a split."""
+        counts = {e: 0 for e in self.emotions}
+        for r in self.split(split):
+            counts[r.emotion] += 1
+        return counts
+
+    # -- JSON ----------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "emotions": list(self.emotions),
+            "modalities": {k: {"rate": m.rate, "channels": list(m.channels)} for k, m in self.modalities.items()},
+            "recordings": [
+                {**{k: v for k, v in asdict(r).items() if k != "modalities"},
+                 "modalities": {k: asdict(p) for k, p in r.modalities.items()}}
+                for r in self.recordings
+            ],
+            "stats": {k: dict(v) for k, v in self.stats.items()},
+            "class_counts": {s: self.class_counts(s) for s in self.splits},
+            "source_bytes": self.source_bytes,
+            "dataset_bytes": self.dataset_bytes,
+            "seed": self.seed,
+            "val_fraction": self.val_fraction,
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = MANIFEST_NAME) -> "Manifest":
+        try:
+            if data.get("format") != FORMAT:
+                raise DataError(f"{where}: format {data.get('format')!r} is not {FORMAT!r}")
+            modalities = {
+                k: Modality(k, int(v["rate"]), tuple(v["channels"])) for k, v in data["modalities"].items()
+            }
+            recordings = tuple(
+                Recording(
+                    id=r["id"], participant=int(r["participant"]), video=int(r["video"]), emotion=r["emotion"],
+                    arousal=float(r["arousal"]), valence=float(r["valence"]), split=r["split"],
+                    modalities={k: Placement(**p) for k, p in r["modalities"].items()},
+                )
+                for r in data["recordings"]
+            )
+            return cls(
+                modalities=modalities, recordings=recordings, stats=data["stats"],
+                source_bytes=int(data["source_bytes"]), dataset_bytes=int(data["dataset_bytes"]),
+                seed=int(data["seed"]), val_fraction=float(data["val_fraction"]),
+                emotions=tuple(data.get("emotions", EMOTIONS)), extra=data.get("extra", {}),
+            )
+        except DataError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
+
+    def save(self, root: str) -> None:
+        with open(os.path.join(root, MANIFEST_NAME), "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def load(cls, root: str) -> "Manifest":
+        path = os.path.join(root, MANIFEST_NAME)
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except OSError as exc:
+            raise DataError(f"{path}: cannot read the manifest ({exc.strerror})") from None
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
+        return cls.from_json(data, where=path)
+
+
+def is_converted_dataset(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST_NAME))

@@ -1,0 +1,112 @@
+"""Cutting windows on the master clock and resampling each modality onto its nominal grid.
+
+Window k of a recording starts at ``t0 + k * hop`` (t0: the recording's first sample on the
+master clock, over all modalities) and lasts ``length`` seconds. A modality of rate r is resampled
+at ``start + i / r``, i = 0 … length·r − 1: continuous signals by linear interpolation between the
+two neighbouring samples, video by the nearest frame.
+
+A window is valid when every modality covers it and no modality misses more than ``max_gap``
+consecutive samples where the window needs them. Samples missing between two neighbours: their
+spacing in nominal periods, rounded, minus one, so that jitter never turns one dropped sample into
+a gap. Invalid windows are dropped and counted by reason, never filled.
+
+Everything is vectorised over windows and grid points (``searchsorted`` + interpolation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Signal", "WindowSpec", "Validity", "candidate_starts", "validity", "resample"]
+
+
+@dataclass(frozen=True)
+class Signal:
+    """One modality of one recording: master-clock times (ascending) and samples (n, channels)."""
+
+    t: np.ndarray
+    x: np.ndarray
+    rate: float
+    nearest: bool = False  # video: nearest frame, not interpolation
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    length: float = 2.0
+    hop: float = 1.0
+    max_gap: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.length > 0 or not self.hop > 0:
+            raise ValueError(f"--window and --hop must be > 0 seconds, got {self.length} and {self.hop}")
+        if self.max_gap < 0:
+            raise ValueError(f"--max-gap must be >= 0, got {self.max_gap}")
+
+    def points(self, rate: float) -> int:
+        """Grid points of one window at ``rate``."""
+        return int(round(self.length * rate))
+
+
+@dataclass(frozen=True)
+class Validity:
+    """Which candidate windows of a recording are valid, and why the others are not."""
+
+    starts: np.ndarray  # master-clock start of every candidate window
+    valid: np.ndarray  # bool per candidate
+    reason: np.ndarray  # per candidate: "" if valid, else e.g. "eeg not covered", "gsr gap > 2"
+
+
+def candidate_starts(signals: dict[str, Signal], spec: WindowSpec) -> np.ndarray:
+    """Starts of every window between the recording's first and last sample."""
+    t0 = min(float(s.t[0]) for s in signals.values())
+    t1 = max(float(s.t[-1]) for s in signals.values())
+    # The last grid point of a window sits one period before its end; a window fits when its
+    # last grid point of the slowest modality does, which `length` bounds from above.
+    count = int(np.floor((t1 - t0 - spec.length) / spec.hop + 1e-9)) + 1 if t1 - t0 >= spec.length else 0
+    return t0 + spec.hop * np.arange(max(count, 0), dtype=np.float64)
+
+
+def _missing(sig: Signal) -> np.ndarray:
+    """Samples missing between each pair of neighbours, in nominal periods."""
+    return np.rint(np.diff(sig.t) * sig.rate).astype(np.int64) - 1
+
+
+def validity(signals: dict[str, Signal], spec: WindowSpec) -> Validity:
+    """Check every candidate window against every modality (in the order given)."""
+    starts = candidate_starts(signals, spec)
+    reason = np.full(len(starts), "", dtype=object)
+    for name, sig in signals.items():
+        n = spec.points(sig.rate)
+        first, last = starts, starts + (n - 1) / sig.rate
+        # Interpolation needs a sample at or before the first grid point and at or after the
+        # last; the nearest frame may lie half a period beyond.
+        slack = 0.5 / sig.rate if sig.nearest else 0.0
+        covered = (sig.t[0] <= first + slack) & (sig.t[-1] >= last - slack)
+        # Gaps between the samples that bracket the window: intervals [lo, hi) of neighbours.
+        lo = np.clip(np.searchsorted(sig.t, first, side="right") - 1, 0, None)
+        hi = np.searchsorted(sig.t, last, side="left")
+        bad = np.concatenate([[0], np.cumsum(_missing(sig) > spec.max_gap)])
+        hi_c = np.clip(hi, 0, len(sig.t) - 1)
+        gapped = covered & (bad[hi_c] - bad[np.minimum(lo, hi_c)] > 0)
+        todo = reason == ""
+        reason[todo & ~covered] = f"{name} not covered"
+        reason[todo & gapped] = f"{name} gap > {spec.max_gap}"
+    return Validity(starts=starts, valid=reason == "", reason=reason)
+
+
+def resample(sig: Signal, starts: np.ndarray, spec: WindowSpec) -> np.ndarray:
+    """Samples of ``sig`` on the nominal grid of each window: (windows, points, channels)."""
+    n = spec.points(sig.rate)
+    grid = starts[:, None] + np.arange(n) / sig.rate  # (windows, points), master seconds
+    flat = grid.reshape(-1)
+    if sig.nearest:
+        j = np.clip(np.searchsorted(sig.t, flat), 1, len(sig.t) - 1)
+        earlier = (flat - sig.t[j - 1]) <= (sig.t[j] - flat)
+        out = sig.x[np.where(earlier, j - 1, j)]
+    else:
+        j = np.clip(np.searchsorted(sig.t, flat, side="right") - 1, 0, len(sig.t) - 2)
+        w = ((flat - sig.t[j]) / (sig.t[j + 1] - sig.t[j])).astype(np.float32)[:, None]
+        out = sig.x[j] * (1 - w) + sig.x[j + 1] * w
+    return out.reshape(len(starts), n, sig.x.shape[1])
