@@ -58,8 +58,9 @@ class UnitSource:
     def decode_unit(self, split: str, u: int, columns: Sequence[Column]) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
-    def finish_batch(self, split: str, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Last touches on a gathered batch (preprocessing stages); the default is none."""
+    def finish_batch(self, split: str, batch: dict[str, np.ndarray], sources: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """Last touches on a gathered batch (preprocessing stages), keeping ``sources``; the
+        default gathers exactly the sources and has nothing to do."""
         return batch
 
     # -- shared ----------------------------------------------------------------------------------
@@ -94,7 +95,7 @@ class UnitSource:
         try:
             for b in range(start, self.batches_per_epoch(split, rank, world_size)):
                 batch = reader.gather(rows[b * self.batch_size : (b + 1) * self.batch_size])
-                yield self.finish_batch(split, batch)
+                yield self.finish_batch(split, batch, sources)
         finally:
             reader.close()
 

@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shuffle-block", type=_positive_int, default=8, help="row groups whose rows are mixed together")
     serve.add_argument("--heartbeat", type=_seconds, default=1.0, help="seconds of silence before a heartbeat")
     serve.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True, help="xxh3 checksum per array")
+    multimodal = serve.add_argument_group("converted multimodal datasets (fuelline convert)")
+    multimodal.add_argument("--window", type=float, default=2.0, help="window length in seconds")
+    multimodal.add_argument("--hop", type=float, default=1.0, help="seconds between window starts")
+    multimodal.add_argument("--max-gap", type=int, default=2, help="most missing samples in a row in a valid window")
+    multimodal.add_argument("--normalize", choices=["zscore", "none"], default="zscore")
+    multimodal.add_argument("--stage", action="append", default=[], metavar="MODULE:FUNCTION",
+                            help="a preprocessing stage run on every batch (repeatable, in order)")
 
     sample = sub.add_parser("sample", help="write the built-in sample Parquet dataset")
     sample.add_argument("out")
@@ -74,26 +81,50 @@ def build_parser() -> argparse.ArgumentParser:
     sample.set_defaults(func=_sample)
     stream.set_defaults(func=_stream)
     # Subcommands that live beside what they run: each module adds its parser and its function.
+    from fuelline.server import inspect
     from fuelline.server.ingest import commands as ingest_commands
 
     ingest_commands.register(sub)
+    inspect.register(sub)
     return parser
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _open_source(args: argparse.Namespace):
+    from fuelline.server.ingest.manifest import is_converted_dataset
     from fuelline.server.parquet_source import ParquetSource
+
+    common = dict(batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block)
+    if is_converted_dataset(args.dataset):
+        from fuelline.server.windows.source import WindowSource
+        from fuelline.server.windows.stages import load_stage
+
+        stages = [load_stage(spec) for spec in args.stage]
+        return WindowSource(
+            args.dataset, window=args.window, hop=args.hop, max_gap=args.max_gap, normalize=args.normalize,
+            stages=stages, **common,
+        )
+    if args.stage:
+        raise DataError("--stage applies to converted multimodal datasets (a manifest.json at DATASET)")
+    return ParquetSource(args.dataset, **common)
+
+
+def _describe(info: dict) -> str:
+    if info["kind"] == "multimodal-windows":
+        dropped = ", ".join(f"{k}: {v}" for k, v in info["dropped"].items()) or "none"
+        return f"windows of {info['recordings']} recordings; dropped {dropped}"
+    return f"{info['files']} files, {info['row_groups']} row groups"
+
+
+def _serve(args: argparse.Namespace) -> int:
     from fuelline.server.serving import Server
     from fuelline.server.start import serve_until_signalled
 
-    source = ParquetSource(
-        args.dataset, batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block
-    )
+    source = _open_source(args)
     for split in source.splits:
         info = source.info(split)
         log.info(
-            "split %r: %d rows in %d files, %d row groups; %d batches of %d per epoch at world size 1; "
-            "up to %.0f MB of decoded row groups per client",
-            split, info["rows"], info["files"], info["row_groups"], source.batches_per_epoch(split, 0, 1),
+            "split %r: %d rows (%s); %d batches of %d per epoch at world size 1; up to %.0f MB held per client",
+            split, info["rows"], _describe(info), source.batches_per_epoch(split, 0, 1),
             args.batch_size, source.memory_per_client(split) / 1e6,
         )
     server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum)

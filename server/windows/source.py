@@ -1,0 +1,237 @@
+"""Serve the aligned windows of a converted multimodal dataset (``fuelline convert``'s output).
+
+Units are recordings: a recording's valid windows are known at start-up (from its timestamps
+alone), so the epoch plan, sharding and batch counts are those of every other unit source. A
+recording's windows are computed when its block is read (ahead of need, off the serving thread).
+
+Sources per batch of B windows of ``w`` seconds: ``eeg`` float32 [B,14,128·w], ``ecg`` [B,2,256·w],
+``gsr`` [B,1,4·w], ``video`` [B,30·w,D], ``label`` int64 [B], ``sample_id`` int64 [B] (recording
+index × 1 000 000 + window index: the same in every epoch and after any restart) and ``t_start``
+float64 [B] (window start, master clock), plus whatever the user's stages add.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from fuelline.protocol import DataError
+from fuelline.server.blocks import UnitSource
+from fuelline.server.ingest.manifest import MODALITIES, Manifest, Recording
+from fuelline.server.windows.align import Signal, Validity, WindowSpec, resample, validity
+from fuelline.server.windows.stages import Cast, Normalize, Pipeline, Stage
+
+__all__ = ["WindowSource", "SAMPLE_ID_STRIDE"]
+
+log = logging.getLogger("fuelline.server")
+
+SAMPLE_ID_STRIDE = 1_000_000  # windows per recording that sample ids leave room for
+NEAREST = {"video"}  # modalities resampled by nearest frame, not interpolation
+
+
+@dataclass(frozen=True)
+class WindowColumn:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_schema(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass
+class _Split:
+    recordings: list[tuple[int, Recording]]  # (index in the manifest, recording)
+    windows: list[Validity]
+    unit_rows: np.ndarray
+
+
+class WindowSource(UnitSource):
+    """Aligned, windowed, normalised batches of a converted dataset, deterministically ordered.
+
+    Args:
+        path: the dataset root (holding manifest.json).
+        window, hop, max_gap: see ``fuelline.server.windows.align``.
+        normalize: "zscore" (per channel, train-split statistics) or "none".
+        stages: user stages run on every batch after normalisation (see ``stages``).
+        batch_size, seed, shuffle, block_units: as for every unit source.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        window: float = 2.0,
+        hop: float = 1.0,
+        max_gap: int = 2,
+        normalize: str = "zscore",
+        stages: Sequence[Stage] = (),
+        batch_size: int = 64,
+        seed: int = 0,
+        shuffle: bool = True,
+        block_units: int = 8,
+    ) -> None:
+        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units)
+        if normalize not in ("zscore", "none"):
+            raise DataError(f"--normalize must be zscore or none, got {normalize!r}")
+        try:
+            self.spec = WindowSpec(window, hop, max_gap)
+        except ValueError as exc:
+            raise DataError(str(exc)) from None
+        self.root = path
+        self.manifest = Manifest.load(path)
+        self.normalize = normalize
+        self.modalities = [m for m in MODALITIES if m in self.manifest.modalities]
+        missing = sorted(set(MODALITIES) - set(self.modalities))
+        if missing:
+            raise DataError(f"{path}: the manifest lacks modalities {missing}")
+        before = [Normalize(self.manifest.stats)] if normalize == "zscore" else []
+        self.pipeline = Pipeline([*before, *stages, Cast()])
+        self._base = self._base_columns()
+        self._splits = {name: self._scan(name) for name in self.manifest.splits}
+        if not self._splits:
+            raise DataError(f"{path}: the manifest lists no recordings")
+        self._columns = self._probe_columns()
+
+    # -- start-up --------------------------------------------------------------------------------
+    def _base_columns(self) -> list[WindowColumn]:
+        cols = []
+        for m in self.modalities:
+            mod = self.manifest.modalities[m]
+            n, c = self.spec.points(mod.rate), len(mod.channels)
+            cols.append(WindowColumn(m, "<f4", (n, c) if m in NEAREST else (c, n)))
+        cols += [WindowColumn("label", "<i8", ()), WindowColumn("sample_id", "<i8", ()), WindowColumn("t_start", "<f8", ())]
+        return cols
+
+    def _read(self, rec: Recording, modality: str, columns: list[str]) -> Any:
+        p = rec.modalities[modality]
+        path = os.path.join(self.root, p.file)
+        try:
+            with pq.ParquetFile(path, memory_map=True) as pf:
+                return pf.read_row_group(p.row_group, columns=columns)
+        except Exception as exc:
+            raise DataError(f"shard {path}, row group {p.row_group} (recording {rec.id}, {modality}): {exc}") from None
+
+    def _signals(self, rec: Recording, with_samples: bool) -> dict[str, Signal]:
+        out = {}
+        for m in self.modalities:
+            table = self._read(rec, m, ["t", "x"] if with_samples else ["t"])
+            t = table.column("t").to_numpy()
+            if with_samples:
+                x = table.column("x").combine_chunks()
+                x = x.flatten().to_numpy().reshape(len(x), -1)
+            else:
+                x = np.empty((len(t), 0), dtype=np.float32)
+            out[m] = Signal(t, x, float(self.manifest.modalities[m].rate), nearest=m in NEAREST)
+        return out
+
+    def _scan(self, split: str) -> _Split:
+        recs = [(i, r) for i, r in enumerate(self.manifest.recordings) if r.split == split]
+        windows = [validity(self._signals(r, with_samples=False), self.spec) for _, r in recs]
+        rows = np.array([int(v.valid.sum()) for v in windows], dtype=np.int64)
+        return _Split(recs, windows, rows)
+
+    def _probe_columns(self) -> dict[str, WindowColumn]:
+        """What the pipeline serves: run it once on two windows of the first recording that has any."""
+        for split in self._splits.values():
+            for u, rows in enumerate(split.unit_rows):
+                if rows:
+                    raw = self._windows(split, u, limit=2)
+                    out = self.pipeline(raw)
+                    return {
+                        k: WindowColumn(k, np.asarray(v).dtype.str, tuple(np.asarray(v).shape[1:])) for k, v in out.items()
+                    }
+        raise DataError(f"{self.root}: no valid window in any recording with --window {self.spec.length} --hop {self.spec.hop}")
+
+    # -- windows ---------------------------------------------------------------------------------
+    def _windows(self, split: _Split, u: int, limit: int | None = None) -> dict[str, np.ndarray]:
+        index, rec = split.recordings[u]
+        v = split.windows[u]
+        k = np.flatnonzero(v.valid)[:limit]
+        starts = v.starts[k]
+        signals = self._signals(rec, with_samples=True)
+        out: dict[str, np.ndarray] = {}
+        for m, sig in signals.items():
+            x = resample(sig, starts, self.spec)  # (windows, points, channels)
+            out[m] = x if m in NEAREST else np.ascontiguousarray(x.transpose(0, 2, 1))
+        out["label"] = np.full(len(k), rec.label, dtype=np.int64)
+        out["sample_id"] = index * SAMPLE_ID_STRIDE + k.astype(np.int64)
+        out["t_start"] = starts
+        return out
+
+    # -- UnitSource ------------------------------------------------------------------------------
+    def unit_rows(self, split: str) -> np.ndarray:
+        return self._splits[split].unit_rows
+
+    def column_specs(self, sources: tuple[str, ...]) -> Sequence[WindowColumn]:
+        return self._base  # stages may need any of them, whatever the client asked for
+
+    def decode_unit(self, split: str, u: int, columns: Sequence[Any]) -> dict[str, np.ndarray]:
+        return self._windows(self._splits[split], u)
+
+    def finish_batch(self, split: str, batch: dict[str, np.ndarray], sources: tuple[str, ...]) -> dict[str, np.ndarray]:
+        out = self.pipeline(batch)
+        return {k: out[k] for k in sources}
+
+    # -- BatchSource -----------------------------------------------------------------------------
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(self._columns)
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return tuple(self._splits)
+
+    def schema(self) -> Mapping[str, Mapping[str, Any]]:
+        return {k: c.to_schema() for k, c in self._columns.items()}
+
+    def why_not_servable(self, name: str) -> str | None:
+        return None
+
+    def dropped(self, split: str) -> dict[str, int]:
+        """Invalid windows of a split, by reason."""
+        counts: Counter[str] = Counter()
+        for v in self._splits[split].windows:
+            counts.update(r for r in v.reason if r)
+        return dict(sorted(counts.items()))
+
+    def windows_per_class(self, split: str) -> dict[str, int]:
+        s = self._splits[split]
+        counts = {e: 0 for e in self.manifest.emotions}
+        for (_, rec), rows in zip(s.recordings, s.unit_rows):
+            counts[rec.emotion] += int(rows)
+        return counts
+
+    def info(self, split: str) -> Mapping[str, Any]:
+        s = self._splits[split]
+        return {
+            "kind": "multimodal-windows",
+            "split": split,
+            "splits": {name: int(sp.unit_rows.sum()) for name, sp in self._splits.items()},
+            "rows": int(s.unit_rows.sum()),
+            "recordings": len(s.recordings),
+            "emotions": list(self.manifest.emotions),
+            "class_counts": self.windows_per_class(split),
+            "dropped": self.dropped(split),
+            "window": self.spec.length,
+            "hop": self.spec.hop,
+            "max_gap": self.spec.max_gap,
+            "normalize": self.normalize,
+            "stages": self.pipeline.names,
+            "rates": {m: self.manifest.modalities[m].rate for m in self.modalities},
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+        }
+
+    def memory_per_client(self, split: str) -> int:
+        """Bytes of windows one client's reader holds at most: three blocks of the largest recordings."""
+        row = sum(int(np.prod(c.shape)) * np.dtype(c.dtype).itemsize for c in self._base)
+        top = np.sort(self._splits[split].unit_rows)[::-1][: 3 * self.block_units]
+        return int(top.sum()) * row

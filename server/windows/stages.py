@@ -1,0 +1,124 @@
+"""Preprocessing stages, as Fuel's Transformers were: each takes a batch (a dict of arrays, one
+row per window) and returns a batch.
+
+The pipeline of a window source is: align and window (per recording, ``fuelline.server.windows.
+align``), then per batch: ``Normalize`` → the user's stages, in the order given → ``Cast``.
+A user stage is any callable ``f(batch) -> batch`` named as ``module:function`` on the command
+line (``fuelline serve DATASET --stage mypkg.features:band_power``); it may replace, add or drop
+arrays, and runs on the data server's cores, not in the trainer. ``band_power`` below is an
+example.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from fuelline.protocol import DataError
+
+__all__ = ["Batch", "Stage", "Normalize", "Cast", "Pipeline", "load_stage", "band_power"]
+
+Batch = dict[str, np.ndarray]
+Stage = Callable[[Batch], Batch]
+
+# Axis of the channels in each served modality: eeg/ecg/gsr are (B, C, T), video is (B, T, D).
+CHANNEL_AXIS = {"eeg": 1, "ecg": 1, "gsr": 1, "video": 2}
+
+
+@dataclass(frozen=True)
+class Normalize:
+    """z-score every channel with the train split's mean and std (from the dataset manifest)."""
+
+    stats: Mapping[str, Mapping[str, Sequence[float]]]
+    name: str = "normalize"
+
+    def __call__(self, batch: Batch) -> Batch:
+        out = dict(batch)
+        for modality, axis in CHANNEL_AXIS.items():
+            if modality not in batch or modality not in self.stats:
+                continue
+            x = batch[modality]
+            shape = [1] * x.ndim
+            shape[axis] = x.shape[axis]
+            mean = np.asarray(self.stats[modality]["mean"], dtype=np.float32).reshape(shape)
+            std = np.asarray(self.stats[modality]["std"], dtype=np.float32).reshape(shape)
+            out[modality] = (x - mean) / np.where(std > 0, std, 1.0).astype(np.float32)
+        return out
+
+
+@dataclass(frozen=True)
+class Cast:
+    """Floating arrays to float32, integers to int64, t_start stays float64: the served dtypes."""
+
+    name: str = "cast"
+
+    def __call__(self, batch: Batch) -> Batch:
+        out = {}
+        for key, x in batch.items():
+            x = np.asarray(x)
+            if key == "t_start":
+                out[key] = x.astype(np.float64, copy=False)
+            elif x.dtype.kind == "f":
+                out[key] = x.astype(np.float32, copy=False)
+            elif x.dtype.kind in "iub":
+                out[key] = x.astype(np.int64, copy=False) if x.dtype.kind != "b" else x
+            else:
+                raise DataError(f"stage output {key!r} has dtype {x.dtype}, which cannot be served")
+        return out
+
+
+class Pipeline:
+    """Stages applied in order; a stage that fails is named in the error."""
+
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        self.stages = list(stages)
+
+    @property
+    def names(self) -> list[str]:
+        return [getattr(s, "name", None) or getattr(s, "__qualname__", type(s).__name__) for s in self.stages]
+
+    def __call__(self, batch: Batch) -> Batch:
+        for stage, name in zip(self.stages, self.names):
+            try:
+                result = stage(batch)
+            except DataError:
+                raise
+            except Exception as exc:
+                raise DataError(f"stage {name!r} failed: {type(exc).__name__}: {exc}") from exc
+            if not isinstance(result, Mapping):
+                raise DataError(f"stage {name!r} returned {type(result).__name__}, not a dict of arrays")
+            batch = dict(result)
+        return batch
+
+
+def load_stage(spec: str) -> Stage:
+    """Import ``module:function`` (the value of a ``--stage`` option)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise DataError(f"--stage {spec!r}: expected MODULE:FUNCTION, e.g. fuelline.server.windows.stages:band_power")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise DataError(f"--stage {spec!r}: cannot import {module_name!r} ({exc})") from None
+    stage = getattr(module, attr, None)
+    if not callable(stage):
+        raise DataError(f"--stage {spec!r}: {module_name} has no callable {attr!r}")
+    return stage
+
+
+# Bands of the EEG band-power example, in Hz.
+BANDS = {"theta": (4.0, 8.0), "alpha": (8.0, 13.0), "beta": (13.0, 30.0), "gamma": (30.0, 45.0)}
+EEG_RATE = 128
+
+
+def band_power(batch: Batch) -> Batch:
+    """Example stage: log power of each EEG channel in the theta, alpha, beta and gamma bands,
+    added as ``eeg_bands`` (B, 14, 4), from a real FFT of each window."""
+    eeg = batch["eeg"]
+    spectrum = np.abs(np.fft.rfft(eeg, axis=-1)) ** 2
+    freqs = np.fft.rfftfreq(eeg.shape[-1], d=1.0 / EEG_RATE)
+    bands = [spectrum[..., (freqs >= lo) & (freqs < hi)].mean(axis=-1) for lo, hi in BANDS.values()]
+    return {**batch, "eeg_bands": np.log1p(np.stack(bands, axis=-1)).astype(np.float32)}
