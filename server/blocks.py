@@ -139,32 +139,38 @@ class BlockReader:
         self.unit_pos = np.empty(len(perm), dtype=np.int64)
         self.unit_pos[perm] = within - block_start
         self.blocks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
-        self.pending: dict[int, Future] = {}
+        self.pending: dict[int, list[tuple[int, Future]]] = {}
+
+    def _units(self, b: int) -> list[int]:
+        k = self.plan.block_units
+        return [int(u) for u in self.plan.unit_perm[b * k : (b + 1) * k] if self.unit_rows[u]]
+
+    def _read_ahead(self, b: int) -> None:
+        # Each unit is its own task, so the read-ahead threads decode a block's units side by side.
+        if b < self.n_blocks and b not in self.blocks and b not in self.pending:
+            self.pending[b] = [(u, self.pool.submit(self.decode, u)) for u in self._units(b)]
 
     def _build(self, b: int) -> dict[str, np.ndarray]:
-        k = self.plan.block_units
-        units = self.plan.unit_perm[b * k : (b + 1) * k]
-        if len(units) == 1:
-            return self.decode(int(units[0]))  # nothing to mix: the decoded arrays as they are
-        rows = int(self.unit_rows[units].sum())
+        ahead = self.pending.pop(b, None)
+        parts = [(u, f.result()) for u, f in ahead] if ahead is not None else [(u, self.decode(u)) for u in self._units(b)]
+        if len(parts) == 1:
+            return parts[0][1]  # nothing to mix: the decoded arrays as they are
+        rows = int(sum(self.unit_rows[u] for u, _ in parts))
         data = {c.name: np.empty((rows, *c.shape), dtype=c.dtype) for c in self.columns}
-        for u in units:
+        for u, part in parts:
             lo = int(self.unit_pos[u])
-            for name, values in self.decode(int(u)).items():
-                data[name][lo : lo + len(values)] = values
+            for name in data:
+                data[name][lo : lo + len(part[name])] = part[name]
         return data
 
     def block(self, b: int) -> dict[str, np.ndarray]:
         data = self.blocks.pop(b, None)
         if data is None:
-            future = self.pending.pop(b, None)
-            data = future.result() if future is not None else self._build(b)
+            data = self._build(b)
             if len(self.blocks) >= self.BLOCKS_HELD:
                 self.blocks.popitem(last=False)
         self.blocks[b] = data
-        ahead = b + 1
-        if ahead < self.n_blocks and ahead not in self.blocks and ahead not in self.pending:
-            self.pending[ahead] = self.pool.submit(self._build, ahead)
+        self._read_ahead(b + 1)
         return data
 
     def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
@@ -191,7 +197,8 @@ class BlockReader:
         return out
 
     def close(self) -> None:
-        for future in self.pending.values():
-            future.cancel()
+        for ahead in self.pending.values():
+            for _, future in ahead:
+                future.cancel()
         self.pending.clear()
         self.blocks.clear()

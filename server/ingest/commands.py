@@ -12,11 +12,7 @@ __all__ = ["register"]
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Add the ingest subcommands; each sets ``func`` (args -> exit status) as its default."""
-    for name in ("synth", "convert"):
-        try:
-            module = __import__(f"fuelline.server.ingest.{name}", fromlist=["register"])
-        except ModuleNotFoundError as exc:
-            if exc.name != f"fuelline.server.ingest.{name}":
-                raise
-            continue  # not built yet
-        module.register(sub)
+    from fuelline.server.ingest import convert, synth
+
+    synth.register(sub)
+    convert.register(sub)

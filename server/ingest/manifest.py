@@ -67,6 +67,15 @@ class Placement:
     t_first: float  # master-clock seconds of the first and last sample
     t_last: float
 
+    def __post_init__(self) -> None:
+        # A manifest must not point a server at files outside its dataset.
+        parts = self.file.replace("\\", "/").split("/")
+        if os.path.isabs(self.file) or ".." in parts or not self.file:
+            raise ValueError(f"file {self.file!r} must be a path inside the dataset")
+        if self.row_group < 0 or self.rows < 1 or not self.t_first <= self.t_last:
+            raise ValueError(f"placement in {self.file!r} has row group {self.row_group}, {self.rows} rows, "
+                             f"times {self.t_first}..{self.t_last}")
+
 
 @dataclass(frozen=True)
 class Recording:
@@ -81,9 +90,6 @@ class Recording:
     split: str
     modalities: Mapping[str, Placement]
 
-    @property
-    def label(self) -> int:
-        return EMOTIONS.index(self.emotion)
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,10 @@ class Manifest:
     emotions: tuple[str, ...] = EMOTIONS
     format: str = FORMAT
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def label(self, recording: Recording) -> int:
+        """The class index of a recording: its emotion's position in ``emotions``."""
+        return self.emotions.index(recording.emotion)
 
     def split(self, name: str) -> tuple[Recording, ...]:
         return tuple(r for r in self.recordings if r.split == name)

@@ -160,7 +160,7 @@ class WindowSource(UnitSource):
         for m, sig in signals.items():
             x = resample(sig, starts, self.spec)  # (windows, points, channels)
             out[m] = x if m in NEAREST else np.ascontiguousarray(x.transpose(0, 2, 1))
-        out["label"] = np.full(len(k), rec.label, dtype=np.int64)
+        out["label"] = np.full(len(k), self.manifest.label(rec), dtype=np.int64)
         out["sample_id"] = index * SAMPLE_ID_STRIDE + k.astype(np.int64)
         out["t_start"] = starts
         return out
