@@ -1,4 +1,4 @@
-"""``python -m benchmarks [transport|parquet]``: run one benchmark, or both."""
+"""``python -m benchmarks [transport|parquet|windows]``: run one benchmark, or all."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Sequence
 
 from benchmarks.common import DEFAULT_DATA_DIR, RESULTS_DIR
 
-BENCHMARKS = ("transport", "parquet")
+BENCHMARKS = ("transport", "parquet", "windows")
 
 
 def _at_least(minimum: int):
@@ -31,7 +31,7 @@ def _positive_float(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("benchmark", nargs="?", choices=BENCHMARKS, help="which one (default: both)")
+    parser.add_argument("benchmark", nargs="?", choices=BENCHMARKS, help="which one (default: all)")
     # Two rounds at least: a single run's figure says nothing about its own noise.
     parser.add_argument("--rounds", type=_at_least(2), default=5, help="timed rounds per contender (default 5)")
     parser.add_argument("--batches", type=_at_least(2), default=400,
@@ -53,10 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from benchmarks import transport
 
             transport.run(args.rounds, args.batches, args.results_dir)
-        else:
+        elif name == "parquet":
             from benchmarks import parquet_path
 
             parquet_path.run(args.rounds, args.gb, args.data_dir, args.results_dir)
+        else:
+            from benchmarks import windows
+
+            windows.run(args.rounds, args.data_dir, args.results_dir)
     return 0
 
 
