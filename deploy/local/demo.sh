@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The whole path on one machine, on built-in sample data: make a Parquet dataset, start a data
-# server, stream epochs into a client, print what arrived and how fast, stop the server.
+# The whole path on one machine, on built-in sample data: synthesise AMIGOS-like raw recordings,
+# convert them to Parquet, start a data server that aligns and windows them, stream epochs into a
+# client, print what arrived and how fast, stop the server.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 # shellcheck disable=SC1091
@@ -11,13 +12,19 @@ cleanup() {
     if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then kill -TERM "$SERVER_PID"; wait "$SERVER_PID" || true; fi
 }
 trap cleanup EXIT
+rm -rf "$WORK/raw" "$WORK/data"
 
-echo "== 1. sample dataset in $WORK/data"
-rm -rf "$WORK/data"
-fuelline sample "$WORK/data" --rows 200000 --dim 64 --files 8 --row-group-rows 5000
+echo "== 1. synthesise 40 raw recordings of 60 s (EEG, ECG, GSR, face video; each device on its own clock)"
+fuelline synth "$WORK/raw" --recordings 40 --seconds 60 --seed 0
 
-echo "== 2. data server (log: $WORK/serve.log)"
-fuelline serve "$WORK/data" --port 0 --batch-size 256 >"$WORK/serve.out" 2>"$WORK/serve.log" &
+echo "== 2. convert the raw TSV to Parquet shards"
+fuelline convert "$WORK/raw" "$WORK/data"
+
+echo "== 3. what a server will serve"
+fuelline inspect "$WORK/data"
+
+echo "== 4. data server: 2 s windows every 1 s, z-scored (log: $WORK/serve.log)"
+fuelline serve "$WORK/data" --port 0 --batch-size 64 --window 2.0 --hop 1.0 >"$WORK/serve.out" 2>"$WORK/serve.log" &
 SERVER_PID=$!
 for _ in $(seq 300); do
     grep -q "serving on" "$WORK/serve.out" 2>/dev/null && break
@@ -27,11 +34,11 @@ done
 grep "serving on" "$WORK/serve.out" || { echo "server did not start in 30s"; cat "$WORK/serve.log"; exit 1; }
 ENDPOINT="$(sed -n 's#^serving on tcp://##p' "$WORK/serve.out")"
 
-echo "== 3. client: two epochs of train, one of val"
+echo "== 5. client: two epochs of train, one of val"
 fuelline stream "$ENDPOINT" --epochs 2
 fuelline stream "$ENDPOINT" --split val
 
-echo "== 4. SIGTERM the server"
+echo "== 6. SIGTERM the server"
 kill -TERM "$SERVER_PID"
 wait "$SERVER_PID" && echo "server exited with 0"
 SERVER_PID=""
