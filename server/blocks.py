@@ -140,6 +140,7 @@ class BlockReader:
         self.unit_pos[perm] = within - block_start
         self.blocks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
         self.pending: dict[int, list[tuple[int, Future]]] = {}
+        self._read_ahead(0)  # the first block too: its units decode side by side, not one by one
 
     def _units(self, b: int) -> list[int]:
         k = self.plan.block_units

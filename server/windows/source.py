@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError
@@ -85,14 +86,17 @@ class WindowSource(UnitSource):
         except ValueError as exc:
             raise DataError(str(exc)) from None
         self.root = path
+        self._footers: dict[str, Any] = {}
         self.manifest = Manifest.load(path)
         self.normalize = normalize
         self.modalities = [m for m in MODALITIES if m in self.manifest.modalities]
         missing = sorted(set(MODALITIES) - set(self.modalities))
         if missing:
             raise DataError(f"{path}: the manifest lacks modalities {missing}")
-        before = [Normalize(self.manifest.stats)] if normalize == "zscore" else []
-        self.pipeline = Pipeline([*before, *stages, Cast()])
+        # Normalisation works window by window, so it runs per recording, in place, where the
+        # windows are made; the user's stages and the cast run per batch.
+        self.per_recording = Pipeline([Normalize(self.manifest.stats, in_place=True)] if normalize == "zscore" else [])
+        self.pipeline = Pipeline([*stages, Cast()])
         self._base = self._base_columns()
         self._splits = {name: self._scan(name) for name in self.manifest.splits}
         if not self._splits:
@@ -113,7 +117,12 @@ class WindowSource(UnitSource):
         p = rec.modalities[modality]
         path = os.path.join(self.root, p.file)
         try:
-            with pq.ParquetFile(path, memory_map=True) as pf:
+            # The footer parsed once per file, and a plain memory map: reads share nothing else,
+            # so the read-ahead threads need no lock.
+            meta = self._footers.get(path)
+            if meta is None:
+                meta = self._footers.setdefault(path, pq.read_metadata(path))
+            with pq.ParquetFile(pa.memory_map(path), metadata=meta) as pf:
                 return pf.read_row_group(p.row_group, columns=columns)
         except Exception as exc:
             raise DataError(f"shard {path}, row group {p.row_group} (recording {rec.id}, {modality}): {exc}") from None
@@ -142,8 +151,7 @@ class WindowSource(UnitSource):
         for split in self._splits.values():
             for u, rows in enumerate(split.unit_rows):
                 if rows:
-                    raw = self._windows(split, u, limit=2)
-                    out = self.pipeline(raw)
+                    out = self.pipeline(self._windows(split, u, limit=2))
                     return {
                         k: WindowColumn(k, np.asarray(v).dtype.str, tuple(np.asarray(v).shape[1:])) for k, v in out.items()
                     }
@@ -163,7 +171,7 @@ class WindowSource(UnitSource):
         out["label"] = np.full(len(k), self.manifest.label(rec), dtype=np.int64)
         out["sample_id"] = index * SAMPLE_ID_STRIDE + k.astype(np.int64)
         out["t_start"] = starts
-        return out
+        return self.per_recording(out)
 
     # -- UnitSource ------------------------------------------------------------------------------
     def unit_rows(self, split: str) -> np.ndarray:
@@ -223,7 +231,7 @@ class WindowSource(UnitSource):
             "hop": self.spec.hop,
             "max_gap": self.spec.max_gap,
             "normalize": self.normalize,
-            "stages": self.pipeline.names,
+            "stages": self.per_recording.names + self.pipeline.names,
             "rates": {m: self.manifest.modalities[m].rate for m in self.modalities},
             "batch_size": self.batch_size,
             "seed": self.seed,

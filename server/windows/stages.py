@@ -1,8 +1,9 @@
 """Preprocessing stages, as Fuel's Transformers were: each takes a batch (a dict of arrays, one
 row per window) and returns a batch.
 
-The pipeline of a window source is: align and window (per recording, ``fuelline.server.windows.
-align``), then per batch: ``Normalize`` → the user's stages, in the order given → ``Cast``.
+The pipeline of a window source is: align, window and ``Normalize`` (per recording, on the
+read-ahead threads: ``fuelline.server.windows.align``), then per batch: the user's stages, in the
+order given → ``Cast``.
 A user stage is any callable ``f(batch) -> batch`` named as ``module:function`` on the command
 line (``fuelline serve DATASET --stage mypkg.features:band_power``); it may replace, add or drop
 arrays, and runs on the data server's cores, not in the trainer. ``band_power`` below is an
@@ -30,9 +31,14 @@ CHANNEL_AXIS = {"eeg": 1, "ecg": 1, "gsr": 1, "video": 2}
 
 @dataclass(frozen=True)
 class Normalize:
-    """z-score every channel with the train split's mean and std (from the dataset manifest)."""
+    """z-score every channel with the train split's mean and std (from the dataset manifest).
+
+    ``in_place=True`` overwrites the arrays it is given, for callers that own them (the window
+    source normalises each recording's freshly resampled windows, on its read-ahead threads).
+    """
 
     stats: Mapping[str, Mapping[str, Sequence[float]]]
+    in_place: bool = False
     name: str = "normalize"
 
     def __call__(self, batch: Batch) -> Batch:
@@ -45,7 +51,12 @@ class Normalize:
             shape[axis] = x.shape[axis]
             mean = np.asarray(self.stats[modality]["mean"], dtype=np.float32).reshape(shape)
             std = np.asarray(self.stats[modality]["std"], dtype=np.float32).reshape(shape)
-            out[modality] = (x - mean) / np.where(std > 0, std, 1.0).astype(np.float32)
+            scale = (1.0 / np.where(std > 0, std, 1.0)).astype(np.float32)
+            if self.in_place and x.dtype == np.float32 and x.flags.writeable:
+                x -= mean
+                x *= scale
+            else:
+                out[modality] = (x - mean) * scale
         return out
 
 
