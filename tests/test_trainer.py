@@ -1,0 +1,133 @@
+"""The trainer: torchrun ranks against a real data server, resume, and its parts on their own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fuelline.server.ingest.convert import convert  # noqa: E402
+from fuelline.server.ingest.synth import synthesize  # noqa: E402
+from fuelline.trainer.dynamic_batch import MicroBatcher  # noqa: E402
+from fuelline.trainer.losses import DynamicWeightAverage, LSTMWeighting, class_weights  # noqa: E402
+from fuelline.trainer.metrics import classification_report  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("trainer")
+    synthesize(str(root / "raw"), 16, 20.0, 2, video_dim=8, drop=0.001)
+    convert(str(root / "raw"), str(root / "data"), progress=False)
+    return root / "data"
+
+
+def torchrun(endpoint: str, *options: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "-m", "fuelline.trainer", "--servers", endpoint, "--width", "8", *options]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_train_evaluate_and_report_each_epoch(dataset: Path, start_serve, tmp_path: Path) -> None:
+    server = start_serve(dataset, "--batch-size", "16")
+    metrics = tmp_path / "metrics.jsonl"
+    result = torchrun(server.endpoint, "--epochs", "2", "--compression", "fp16", "--metrics-json", str(metrics))
+    records = lines(metrics)
+    assert [r["epoch"] for r in records] == [0, 1]
+    stdout = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    assert stdout == records  # the same lines on stdout
+    for r in records:
+        for key in ("train_loss", "val_accuracy", "val_macro_f1", "val_recall", "samples_per_s", "data_wait_s",
+                    "step_time_s", "grad_bytes_per_element"):
+            assert key in r, key
+        assert r["world_size"] == 2 and 0 <= r["val_accuracy"] <= 1
+        assert r["grad_bytes_per_element"] == pytest.approx(2.0)  # fp16 ring all-reduce at W = 2
+        assert set(r["val_recall"]) == {"neutral", "happiness", "sadness", "surprise", "anger", "fear"}
+
+
+@pytest.mark.timeout(400)
+def test_resume_continues_the_same_sample_ids(dataset: Path, start_serve, tmp_path: Path) -> None:
+    server = start_serve(dataset, "--batch-size", "16", "--seed", "4")
+    whole = tmp_path / "whole"
+    torchrun(server.endpoint, "--epochs", "2", "--sample-log", str(whole), "--checkpoint-dir", str(tmp_path / "ck0"))
+    parts = tmp_path / "parts"
+    ck = tmp_path / "ck"
+    metrics = tmp_path / "metrics.jsonl"
+    common = ("--epochs", "2", "--sample-log", str(parts), "--checkpoint-dir", str(ck), "--metrics-json", str(metrics))
+    torchrun(server.endpoint, *common, "--max-steps", "3")  # stops mid-epoch 0, after a checkpoint
+    assert json.loads((ck / "latest.json").read_text())["step"] == 3
+    torchrun(server.endpoint, *common, "--resume")
+    for rank in range(2):
+        full = [r["ids"] for r in lines(Path(f"{whole}.rank{rank}"))]
+        resumed = [r["ids"] for r in lines(Path(f"{parts}.rank{rank}"))]
+        assert resumed == full  # nothing lost, nothing repeated
+    assert [r["epoch"] for r in lines(metrics)] == [0, 1]
+
+
+def test_micro_batches_halve_on_out_of_memory_and_accumulate_the_same_gradient() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+
+    def step(batch, scale):
+        if len(batch["x"]) > 16:
+            raise torch.OutOfMemoryError("simulated: more than 16 rows do not fit")
+        (torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"]) * scale).backward()
+
+    micro = MicroBatcher(enabled=True, size=64)
+    micro.run({"x": x, "y": y}, step, lambda: model.zero_grad(set_to_none=True))
+    assert micro.size == 16 and micro.halvings == 2
+    accumulated = model.weight.grad.clone()
+    model.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    assert torch.allclose(accumulated, model.weight.grad, atol=1e-6)
+
+
+def test_on_cpu_a_batch_is_one_micro_batch() -> None:
+    calls = []
+    MicroBatcher(enabled=False).run({"x": torch.zeros(10, 2)}, lambda b, s: calls.append((len(b["x"]), s)), lambda: None)
+    assert calls == [(10, 1.0)]
+
+
+def test_class_weights_follow_n_max_over_n_c() -> None:
+    w = class_weights([415, 213, 135, 106, 88, 43], eps=1.0)
+    assert w[0] == pytest.approx(415 / 416) and w[5] == pytest.approx(415 / 44)
+    assert torch.all(w[1:] >= w[:-1])  # rarer classes weigh more
+
+
+def test_dynamic_weight_average_favours_the_modality_that_learns_slowest() -> None:
+    dwa = DynamicWeightAverage(["eeg", "video"])
+    dwa.update({"eeg": 1.0, "video": 1.0})
+    assert dwa.alphas() == {"eeg": 1.0, "video": 1.0}
+    dwa.update({"eeg": 0.5, "video": 0.95})  # eeg halved its loss, video barely moved
+    a = dwa.alphas()
+    assert a["video"] > 1.0 > a["eeg"] and sum(a.values()) == pytest.approx(2.0)
+
+
+def test_lstm_weighting_gives_weights_that_sum_to_the_number_of_modalities() -> None:
+    lstm = LSTMWeighting(["eeg", "ecg", "video"])
+    for t in range(6):
+        lstm.update({"eeg": 1.0 / (t + 1), "ecg": 1.0, "video": 1.0 - 0.05 * t})
+    a = lstm.alphas()
+    assert all(v > 0 for v in a.values()) and sum(a.values()) == pytest.approx(3.0)
+    assert a["ecg"] > a["eeg"]  # the stalled modality gets more weight than the improving one
+
+
+def test_classification_report_counts_right() -> None:
+    names = ["a", "b", "c"]
+    r = classification_report(np.array([0, 0, 1, 1, 1]), np.array([0, 1, 1, 1, 0]), names)
+    assert r["accuracy"] == pytest.approx(3 / 5)
+    assert r["recall"] == {"a": 0.5, "b": pytest.approx(2 / 3), "c": None}
+    assert r["macro_f1"] == pytest.approx(np.mean([0.5, 2 * (2 / 3) * (2 / 3) / (4 / 3)]))

@@ -1,0 +1,44 @@
+"""Command-line options of ``python -m fuelline.trainer`` (launched by torchrun)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+__all__ = ["parse_args"]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="torchrun --nproc_per_node N -m fuelline.trainer",
+                                description="Train the multimodal emotion classifier on batches from data servers.")
+    p.add_argument("--servers", required=True, help="HOST:PORT of the data server")
+    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--compression", choices=["none", "fp16", "onebit"], default="none")
+    p.add_argument("--optimizer", choices=["sgd", "adam", "onebit-adam"], default="adam")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--momentum", type=float, default=0.9, help="for sgd")
+    p.add_argument("--l2", type=float, default=1e-4, help="λ of the λ‖θ‖₂ term")
+    p.add_argument("--weighting", choices=["dwa", "lstm", "none"], default="dwa", help="how α_m(t) is set per epoch")
+    p.add_argument("--class-weights", action=argparse.BooleanOptionalAction, default=True,
+                   help="weight classes by N_max / (N_c + ε) from the server's class counts")
+    p.add_argument("--width", type=int, default=32, help="feature width of the encoders")
+    p.add_argument("--warmup-iters", type=int, default=10, help="plain all-reduce steps before onebit compresses")
+    p.add_argument("--freeze-step", type=int, default=100, help="onebit-adam: plain Adam steps before the variance freezes")
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: each epoch only)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
+    p.add_argument("--max-steps", type=int, default=0, help="stop (after a checkpoint) once this run made N steps")
+    p.add_argument("--metrics-json", default=None, help="append one JSON line per epoch here")
+    p.add_argument("--sample-log", default=None, help="per rank, append each step's sample_ids to FILE.rankR")
+    p.add_argument("--hwm", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to keep trying a silent data server")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--micro-batch", type=int, default=None, help="CUDA: skip the probe and use this micro-batch")
+    args = p.parse_args(argv)
+    if "," in args.servers:
+        p.error("--servers: reading from several servers at once is not supported yet; give one HOST:PORT")
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    if args.epochs < 1:
+        p.error("--epochs must be >= 1")
+    return args

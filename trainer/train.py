@@ -1,0 +1,286 @@
+"""The DDP training loop: data from a fuelline server, weighted multimodal losses, compressed
+gradients, per-epoch evaluation and metrics, checkpoints that resume the same sample sequence."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fuelline.client import ServerDataStream
+from fuelline.trainer import comm
+from fuelline.trainer.checkpoint import Checkpoints
+from fuelline.trainer.cli import parse_args
+from fuelline.trainer.dynamic_batch import MicroBatcher
+from fuelline.trainer.losses import class_weights, l2_norm, make_weighting, modality_losses
+from fuelline.trainer.metrics import classification_report
+from fuelline.trainer.model import MODALITIES, EmotionNet
+
+__all__ = ["main"]
+
+log = logging.getLogger("fuelline.trainer")
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """gloo on CPU, NCCL with CUDA; torchrun's environment, or a single process without it."""
+    cuda = torch.cuda.is_available()
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if cuda else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return rank, world, torch.device("cuda", local)
+    return rank, world, torch.device("cpu")
+
+
+def _truncate_jsonl(path: str, keep) -> None:
+    """Keep the lines of a JSON-lines file that ``keep`` accepts (on resume: what came after the
+    checkpoint is about to be done again)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and keep(json.loads(line))]
+    with open(f"{path}.tmp", "w") as f:
+        f.writelines(lines)
+    os.replace(f"{path}.tmp", path)
+
+
+def make_optimizer(args, ddp: DDP, comm_state: Any) -> torch.optim.Optimizer:
+    params = ddp.parameters()
+    if args.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
+    if args.optimizer == "adam":
+        return torch.optim.Adam(params, lr=args.lr)
+    from fuelline.trainer.onebit_adam import OneBitAdam
+
+    return OneBitAdam(params, lr=args.lr, freeze_step=args.freeze_step, state=comm_state)
+
+
+class Trainer:
+    def __init__(self, args, rank: int, world: int, device: torch.device) -> None:
+        self.args, self.rank, self.world, self.device = args, rank, world, device
+        torch.manual_seed(args.seed)
+        common = dict(endpoints=[args.servers], rank=rank, world_size=world, hwm=args.hwm, timeout=args.timeout, tensors=True)
+        self.train = ServerDataStream(None, split="train", **common)
+        self.val = ServerDataStream(None, split="val", **common)
+        info = self.train.info
+        self.classes: list[str] = list(info["emotions"])
+        counts = [info["class_counts"][c] for c in self.classes]
+        self.model = EmotionNet(self.train.schema, len(self.classes), width=args.width).to(device)
+        self.ddp = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.comm_state = self._register_hook()
+        self.optimizer = make_optimizer(args, self.ddp, self.comm_state)
+        self.weights = class_weights(counts).to(device) if args.class_weights else None
+        self.heads = [*self.model.modalities, "fused"]
+        self.weighting = make_weighting(args.weighting, self.heads)
+        self.alphas = {m: 1.0 for m in self.heads}
+        self.micro = MicroBatcher(enabled=device.type == "cuda", size=args.micro_batch)
+        self.ckpt = Checkpoints(args.checkpoint_dir, rank, world) if args.checkpoint_dir else None
+        self.step = 0
+        self.epoch_sums: dict[str, float] = {}
+        if rank == 0:
+            log.info("classes %s, train windows per class %s, class weights %s", self.classes, counts,
+                     None if self.weights is None else [round(w, 2) for w in self.weights.tolist()])
+
+    def _register_hook(self) -> Any:
+        if self.args.optimizer == "onebit-adam":
+            from fuelline.trainer.onebit_adam import register_onebit_adam
+
+            return register_onebit_adam(self.ddp, self.args)
+        return comm.register(self.ddp, self.args.compression, self.args.warmup_iters)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        comm_state = getattr(self.comm_state, "state_dict", None)
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "comm": comm_state() if callable(comm_state) else None,
+            "weighting": self.weighting.state_dict() if self.weighting else None,
+            "alphas": self.alphas,
+            "stream": self.train.state_dict(),
+            "step": self.step,
+            "epoch_sums": self.epoch_sums,
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def restore(self) -> None:
+        assert self.ckpt is not None
+        state = self.ckpt.load_latest()
+        if state is None:
+            log.warning("no checkpoint in %s: starting afresh", self.args.checkpoint_dir)
+            return
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["comm"] is not None:
+            self.comm_state.load_state_dict(state["comm"])
+        if self.weighting and state["weighting"]:
+            self.weighting.load_state_dict(state["weighting"])
+        self.alphas = state["alphas"]
+        self.train.load_state_dict(state["stream"])
+        self.step = state["step"]
+        self.epoch_sums = state["epoch_sums"]
+        torch.set_rng_state(state["torch_rng"])
+        epoch = state["stream"]["epoch"]
+        if self.rank == 0 and self.args.metrics_json:
+            _truncate_jsonl(self.args.metrics_json, lambda r: r["epoch"] < epoch)
+        if self.args.sample_log:
+            _truncate_jsonl(f"{self.args.sample_log}.rank{self.rank}", lambda r: r["step"] <= self.step)
+        log.info("rank %d resumed at step %d, epoch %d batch %d", self.rank, self.step, epoch, state["stream"]["cursor"])
+
+    def checkpoint(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.save(self.step, self.state())
+
+    # -- training ------------------------------------------------------------------------------
+    def _forward_backward(self, batch: dict[str, torch.Tensor], scale: float) -> None:
+        logits = self.ddp(batch)
+        losses = modality_losses(logits, batch["label"], self.weights)
+        total = sum(self.alphas[m] * losses[m] for m in self.heads) + self.args.l2 * l2_norm(self.model.parameters())
+        (total * scale).backward()
+        sums = self.epoch_sums
+        sums["loss"] = sums.get("loss", 0.0) + float(total.detach()) * scale
+        for m in self.heads:
+            sums[f"L_{m}"] = sums.get(f"L_{m}", 0.0) + float(losses[m]) * scale
+
+    def train_epoch(self) -> dict[str, float] | None:
+        """One epoch (or its rest, after a resume); None if --max-steps stopped it part-way."""
+        args = self.args
+        it = self.train.get_epoch_iterator(as_dict=True)
+        sums = self.epoch_sums
+        sent0, elems0 = self.comm_state.bytes_sent, self.comm_state.elements
+        started = time.perf_counter()
+        steps_here = 0
+        while True:
+            t0 = time.perf_counter()
+            batch = next(it, None)
+            t1 = time.perf_counter()
+            if batch is None:
+                break
+            ids = batch.pop("sample_id").tolist()
+            batch.pop("t_start", None)
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            self.optimizer.zero_grad(set_to_none=True)
+            self.micro.run(batch, self._forward_backward, lambda: self.optimizer.zero_grad(set_to_none=True), self.ddp.no_sync)
+            self.optimizer.step()
+            t2 = time.perf_counter()
+            self.step += 1
+            steps_here += 1
+            sums["steps"] = sums.get("steps", 0) + 1
+            sums["samples"] = sums.get("samples", 0) + len(ids)
+            sums["wait"] = sums.get("wait", 0.0) + (t1 - t0)
+            sums["step_time"] = sums.get("step_time", 0.0) + (t2 - t1)
+            if args.sample_log:
+                with open(f"{args.sample_log}.rank{self.rank}", "a") as f:
+                    f.write(json.dumps({"step": self.step, "epoch": self.train.state_dict()["epoch"], "ids": ids}) + "\n")
+            if args.checkpoint_every and self.step % args.checkpoint_every == 0:
+                self.checkpoint()
+            if args.max_steps and steps_here >= args.max_steps:
+                if not (args.checkpoint_every and self.step % args.checkpoint_every == 0):
+                    self.checkpoint()
+                return None
+        seconds = time.perf_counter() - started
+        sent = self.comm_state.bytes_sent - sent0
+        elems = self.comm_state.elements - elems0
+        steps = max(1, sums.get("steps", 0))
+        out = {
+            "train_loss": sums.get("loss", 0.0) / steps,
+            "samples_per_s": sums.get("samples", 0) * self.world / max(seconds, 1e-9),
+            "data_wait_s": sums.get("wait", 0.0) / steps,
+            "step_time_s": sums.get("step_time", 0.0) / steps,
+            "grad_bytes_per_element": sent / elems if elems else None,
+            "per_modality_loss": {m: sums.get(f"L_{m}", 0.0) / steps for m in self.heads},
+        }
+        self.epoch_sums = {}
+        return out
+
+    def evaluate(self) -> dict[str, Any]:
+        """Fused-head predictions over the whole val split (padding duplicates removed by sample_id)."""
+        self.model.eval()
+        ids, preds, labels = [], [], []
+        with torch.no_grad():
+            for batch in self.val.get_epoch_iterator(as_dict=True):
+                ids += batch.pop("sample_id").tolist()
+                batch.pop("t_start", None)
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                preds += self.model(batch)["fused"].argmax(dim=1).tolist()
+                labels += batch["label"].tolist()
+        self.model.train()
+        gathered: list = [None] * self.world
+        if dist.is_initialized():
+            dist.all_gather_object(gathered, (ids, preds, labels))
+        else:
+            gathered = [(ids, preds, labels)]
+        seen: dict[int, tuple[int, int]] = {}
+        for i, p, y in gathered:
+            for sid, pp, yy in zip(i, p, y):
+                seen.setdefault(sid, (pp, yy))
+        pred = np.array([v[0] for v in seen.values()], dtype=np.int64)
+        true = np.array([v[1] for v in seen.values()], dtype=np.int64)
+        return classification_report(pred, true, self.classes) | {"windows": len(seen)}
+
+    def _average(self, values: dict[str, float]) -> dict[str, float]:
+        if not dist.is_initialized():
+            return values
+        t = torch.tensor([values[m] for m in self.heads], dtype=torch.float64)
+        dist.all_reduce(t)
+        return {m: float(v) / self.world for m, v in zip(self.heads, t)}
+
+    def run(self) -> int:
+        args = self.args
+        if args.resume:
+            self.restore()
+        while True:
+            epoch = self.train.state_dict()["epoch"]
+            if epoch >= args.epochs:
+                break
+            stats = self.train_epoch()
+            if stats is None:
+                log.info("rank %d stopped after %d steps (--max-steps)", self.rank, args.max_steps)
+                return 0
+            report = self.evaluate()
+            losses = self._average(stats.pop("per_modality_loss"))
+            if self.weighting is not None:
+                self.weighting.update(losses)
+                self.alphas = self.weighting.alphas()
+            line = {
+                "epoch": epoch, **stats, "val_accuracy": report["accuracy"], "val_macro_f1": report["macro_f1"],
+                "val_recall": report["recall"], "val_windows": report["windows"], "modality_loss": losses,
+                "alphas": self.alphas, "compression": args.compression, "optimizer": args.optimizer,
+                "world_size": self.world, "step": self.step,
+            }
+            self.checkpoint()
+            if self.rank == 0:
+                text = json.dumps(line)
+                print(text, flush=True)
+                if args.metrics_json:
+                    with open(args.metrics_json, "a") as f:
+                        f.write(text + "\n")
+        return 0
+
+    def close(self) -> None:
+        self.train.close()
+        self.val.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    rank, world, device = setup_distributed()
+    trainer = Trainer(args, rank, world, device)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
