@@ -96,6 +96,7 @@ class _Faces:
 
     mean: np.ndarray  # (D,)
     emotion_offset: np.ndarray  # (len(EMOTIONS), D)
+    seed: int  # of the per-participant faces
 
 
 def channel_names(modality: str, video_dim: int = 136) -> tuple[str, ...]:
@@ -170,7 +171,8 @@ def _eeg(rng: np.random.Generator, t: np.ndarray, rec: _Recording) -> np.ndarray
     """Theta, alpha and beta rhythms (µV) whose alpha/beta balance is the emotion's, plus noise."""
     channels = len(EEG_CHANNELS)
     freqs = np.array([rng.uniform(4, 7), rng.uniform(8, 12), rng.uniform(13, 30)])
-    amps = np.array([6.0, _ALPHA_UV[rec.emotion], _BETA_UV[rec.emotion]])
+    # People differ: each recording scales the emotion's rhythms by its own factor.
+    amps = np.array([6.0, _ALPHA_UV[rec.emotion], _BETA_UV[rec.emotion]]) * rng.lognormal(0.0, 0.35, 3)
     gains = rng.uniform(0.6, 1.4, (3, channels))
     phases = rng.uniform(0, 2 * np.pi, (3, channels))
     x = rng.normal(0.0, 4.0, (channels, len(t)))
@@ -181,7 +183,7 @@ def _eeg(rng: np.random.Generator, t: np.ndarray, rec: _Recording) -> np.ndarray
 
 def _ecg(rng: np.random.Generator, t: np.ndarray, rec: _Recording) -> np.ndarray:
     """Two leads (mV) of a PQRST heartbeat at the emotion's heart rate, breathing-modulated."""
-    bpm = _HEART_BPM[rec.emotion] + rng.normal(0.0, 3.0)
+    bpm = _HEART_BPM[rec.emotion] + rng.normal(0.0, 6.0)  # resting heart rates differ by person
     beat = bpm / 60.0 * t + 0.03 * np.sin(2 * np.pi * 0.25 * t + rng.uniform(0, 2 * np.pi))
     frac = beat % 1.0
     wave = sum(a * np.exp(-0.5 * ((frac - mu) / w) ** 2) for a, mu, w in _PQRST)
@@ -211,14 +213,18 @@ def _video(rng: np.random.Generator, t: np.ndarray, rec: _Recording, faces: _Fac
     freqs, phases = rng.uniform(0.05, 0.3, 2), rng.uniform(0, 2 * np.pi, 2)
     head = 3.0 * np.sin(2 * np.pi * freqs[:, None] * t[None, :] + phases[:, None])  # (2, n): x, y
     motion = head[np.arange(dim) % 2]
-    base = faces.mean + faces.emotion_offset[rec.emotion]
+    # Faces differ by person more than by expression: a per-participant offset, drawn from a
+    # generator seeded by the participant so it is the same face in all of their recordings.
+    person = np.random.default_rng([faces.seed, rec.participant]).normal(0.0, 3.0, dim)
+    base = faces.mean + person + faces.emotion_offset[rec.emotion]
     return base[:, None] + motion + rng.normal(0.0, 1.0, (dim, len(t)))
 
 
 def _faces(rng: np.random.Generator, video_dim: int) -> _Faces:
     is_x = np.arange(video_dim) % 2 == 0
     mean = np.where(is_x, rng.uniform(200, 440, video_dim), rng.uniform(150, 350, video_dim))
-    return _Faces(mean, rng.normal(0.0, 2.0, (len(EMOTIONS), video_dim)))
+    # Expressions are subtle beside who is in the picture (the per-participant offset).
+    return _Faces(mean, rng.normal(0.0, 0.6, (len(EMOTIONS), video_dim)), int(rng.integers(2**31)))
 
 
 # -- writing -------------------------------------------------------------------------------------
