@@ -1,4 +1,4 @@
-"""``python -m benchmarks [transport|parquet|windows]``: run one benchmark, or all."""
+"""``python -m benchmarks [transport|parquet|windows|trainer]``: run one benchmark, or all."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Sequence
 
 from benchmarks.common import DEFAULT_DATA_DIR, RESULTS_DIR
 
-BENCHMARKS = ("transport", "parquet", "windows")
+BENCHMARKS = ("transport", "parquet", "windows", "trainer")
 
 
 def _at_least(minimum: int):
@@ -57,10 +57,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from benchmarks import parquet_path
 
             parquet_path.run(args.rounds, args.gb, args.data_dir, args.results_dir)
-        else:
+        elif name == "windows":
             from benchmarks import windows
 
             windows.run(args.rounds, args.data_dir, args.results_dir)
+        else:
+            from benchmarks import trainer
+
+            trainer.run(args.rounds, args.data_dir, args.results_dir)
     return 0
 
 

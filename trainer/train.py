@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fuelline.client import ServerDataStream
@@ -22,7 +23,7 @@ from fuelline.trainer.cli import parse_args
 from fuelline.trainer.dynamic_batch import MicroBatcher
 from fuelline.trainer.losses import class_weights, l2_norm, make_weighting, modality_losses
 from fuelline.trainer.metrics import classification_report
-from fuelline.trainer.model import MODALITIES, EmotionNet
+from fuelline.trainer.model import EmotionNet
 
 __all__ = ["main"]
 
@@ -153,6 +154,20 @@ class Trainer:
         for m in self.heads:
             sums[f"L_{m}"] = sums.get(f"L_{m}", 0.0) + float(losses[m]) * scale
 
+    def _probe_micro_batch(self, batch: dict[str, torch.Tensor]) -> None:
+        """CUDA: the largest micro-batch that fits, the same on every rank (the smallest found)."""
+
+        def trial(b: dict[str, torch.Tensor], scale: float) -> None:
+            with self.ddp.no_sync():  # a probe must not all-reduce: the ranks may try different sizes
+                logits = self.ddp(b)
+                sum(F.cross_entropy(z, b["label"]) for z in logits.values()).backward()
+
+        size = self.micro.probe(batch, trial, lambda: self.optimizer.zero_grad(set_to_none=True))
+        if dist.is_initialized() and size is not None:
+            t = torch.tensor([size], device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            self.micro.size = int(t.item())
+
     def train_epoch(self) -> dict[str, float] | None:
         """One epoch (or its rest, after a resume); None if --max-steps stopped it part-way."""
         args = self.args
@@ -170,6 +185,8 @@ class Trainer:
             ids = batch.pop("sample_id").tolist()
             batch.pop("t_start", None)
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            if self.micro.enabled and self.micro.size is None:
+                self._probe_micro_batch(batch)
             self.optimizer.zero_grad(set_to_none=True)
             self.micro.run(batch, self._forward_backward, lambda: self.optimizer.zero_grad(set_to_none=True), self.ddp.no_sync)
             self.optimizer.step()
