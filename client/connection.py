@@ -91,6 +91,7 @@ class Connection:
         self.endpoint = endpoint
         self.welcome: Welcome | None = None
         self.reconnects = 0
+        self.data_losses: list[str] = []  # what the server left out (--on-bad-shard skip), in its words
         self._template = hello
         self._hwm = hwm
         self._heartbeat = heartbeat
@@ -360,6 +361,8 @@ class Connection:
             elif msg.fatal:
                 self._fail(RemoteError(msg.code, msg.message, peer=self.endpoint))
             else:
+                if msg.code == ErrorCode.DATA_LOSS:
+                    self.data_losses.append(msg.message)
                 log.warning("server %s: %s [%s]", self.endpoint, msg.message, msg.code)
         elif isinstance(msg, Bye):
             log.warning("server %s said bye: %s", self.endpoint, msg.reason)

@@ -146,6 +146,11 @@ class ServerDataStream:
         return self._welcome().info
 
     @property
+    def data_losses(self) -> list[str]:
+        """What the server could not read and left out (``--on-bad-shard skip``), in its words."""
+        return list(self._conn.data_losses) if self._conn is not None else []
+
+    @property
     def batches_per_epoch(self) -> int | None:
         return self._welcome().batches_per_epoch
 

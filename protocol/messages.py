@@ -55,6 +55,7 @@ class ErrorCode:
     UNKNOWN_SOURCE = "unknown-source"  # the client asked for a source the server does not have
     UNKNOWN_SPLIT = "unknown-split"  # the client asked for a split the dataset does not have
     DATA = "data"  # the server could not produce a batch (names the file)
+    DATA_LOSS = "data-loss"  # not fatal: rows left out under --on-bad-shard skip (names the file)
     INTERNAL = "internal"  # a bug in the server; the message says where
 
 

@@ -9,6 +9,7 @@ to decode one unit into column arrays.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -17,9 +18,12 @@ from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
+from fuelline.protocol import DataError
 from fuelline.server.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows
 
 __all__ = ["Column", "UnitSource", "BlockReader"]
+
+log = logging.getLogger("fuelline.server")
 
 
 class Column(Protocol):
@@ -34,9 +38,9 @@ class UnitSource:
     """Base of sources whose data comes in units; subclasses implement ``unit_rows``,
     ``column_specs`` and ``decode_unit``, and may override ``finish_batch``."""
 
-    def __init__(self, *, batch_size: int, seed: int, shuffle: bool, block_units: int) -> None:
-        from fuelline.protocol import DataError
-
+    def __init__(self, *, batch_size: int, seed: int, shuffle: bool, block_units: int, on_bad_shard: str = "fail") -> None:
+        if on_bad_shard not in ("fail", "skip"):
+            raise DataError(f"--on-bad-shard must be fail or skip, got {on_bad_shard!r}")
         if batch_size < 1:
             raise DataError(f"--batch-size must be >= 1, got {batch_size}")
         if block_units < 1:
@@ -45,6 +49,8 @@ class UnitSource:
         self.seed = seed
         self.shuffle = shuffle
         self.block_units = block_units
+        self.on_bad_shard = on_bad_shard
+        self.skipped: list[dict[str, str]] = []  # shards left out at start-up (skip mode)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -83,14 +89,19 @@ class UnitSource:
             return self._pool
 
     def iter_batches(
-        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...]
+        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
+        on_loss: Callable[[str], None] | None = None,
     ) -> Iterator[dict[str, np.ndarray]]:
+        """Batches ``start…`` of an epoch for a rank. With ``--on-bad-shard skip`` a unit that
+        cannot be read is left out of its batches (which come out shorter) and ``on_loss`` is
+        told which and how many rows; otherwise its DataError ends the epoch."""
         plan = self._plan(split, epoch)
         rows = rank_rows(plan.order, rank, world_size)
         columns = list(self.column_specs(sources))
         reader = BlockReader(
             self.unit_rows(split), columns, plan, self._readahead_pool(),
             lambda u: self.decode_unit(split, u, columns),
+            skip_bad=self.on_bad_shard == "skip", on_loss=on_loss,
         )
         try:
             for b in range(start, self.batches_per_epoch(split, rank, world_size)):
@@ -120,7 +131,12 @@ class BlockReader:
         plan: EpochPlan,
         pool: ThreadPoolExecutor,
         decode: Callable[[int], dict[str, np.ndarray]],
+        skip_bad: bool = False,
+        on_loss: Callable[[str], None] | None = None,
     ) -> None:
+        self.skip_bad = skip_bad
+        self.on_loss = on_loss
+        self.lost: set[int] = set()  # units that could not be read (skip mode)
         self.unit_rows = unit_rows
         self.unit_start = np.concatenate([[0], np.cumsum(unit_rows)[:-1]]).astype(np.int64)
         self.columns = columns
@@ -138,7 +154,7 @@ class BlockReader:
         block_start = within[(np.arange(len(perm)) // k) * k]
         self.unit_pos = np.empty(len(perm), dtype=np.int64)
         self.unit_pos[perm] = within - block_start
-        self.blocks: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
+        self.blocks: OrderedDict[int, dict[str, np.ndarray] | None] = OrderedDict()
         self.pending: dict[int, list[tuple[int, Future]]] = {}
         self._read_ahead(0)  # the first block too: its units decode side by side, not one by one
 
@@ -151,10 +167,28 @@ class BlockReader:
         if b < self.n_blocks and b not in self.blocks and b not in self.pending:
             self.pending[b] = [(u, self.pool.submit(self.decode, u)) for u in self._units(b)]
 
-    def _build(self, b: int) -> dict[str, np.ndarray]:
+    def _result(self, u: int, future: Future | None) -> dict[str, np.ndarray] | None:
+        if u in self.lost:
+            return None  # reported once; the wrap-around padding may ask again
+        try:
+            return future.result() if future is not None else self.decode(u)
+        except DataError as exc:
+            if not self.skip_bad:
+                raise
+            self.lost.add(u)
+            message = f"{exc}; its {int(self.unit_rows[u])} rows are left out of this epoch (--on-bad-shard skip)"
+            log.warning("%s", message)
+            if self.on_loss is not None:
+                self.on_loss(message)
+            return None
+
+    def _build(self, b: int) -> dict[str, np.ndarray] | None:
         ahead = self.pending.pop(b, None)
-        parts = [(u, f.result()) for u, f in ahead] if ahead is not None else [(u, self.decode(u)) for u in self._units(b)]
-        if len(parts) == 1:
+        jobs = ahead if ahead is not None else [(u, None) for u in self._units(b)]
+        parts = [(u, part) for u, part in ((u, self._result(u, f)) for u, f in jobs) if part is not None]
+        if not parts:
+            return None  # every unit of the block was lost: its rows are filtered out by gather
+        if len(jobs) == 1:
             return parts[0][1]  # nothing to mix: the decoded arrays as they are
         rows = int(sum(self.unit_rows[u] for u, _ in parts))
         data = {c.name: np.empty((rows, *c.shape), dtype=c.dtype) for c in self.columns}
@@ -164,9 +198,10 @@ class BlockReader:
                 data[name][lo : lo + len(part[name])] = part[name]
         return data
 
-    def block(self, b: int) -> dict[str, np.ndarray]:
-        data = self.blocks.pop(b, None)
-        if data is None:
+    def block(self, b: int) -> dict[str, np.ndarray] | None:
+        if b in self.blocks:
+            data = self.blocks.pop(b)
+        else:
             data = self._build(b)
             if len(self.blocks) >= self.BLOCKS_HELD:
                 self.blocks.popitem(last=False)
@@ -178,9 +213,17 @@ class BlockReader:
         units = np.searchsorted(self.unit_start, rows, side="right") - 1
         pos = self.unit_pos[units] + (rows - self.unit_start[units])
         blocks = self.block_of_unit[units]
+        # In order of first appearance, so the block held longest is the one released first.
+        _, firsts = np.unique(blocks, return_index=True)
+        tables = {int(b): self.block(int(b)) for b in blocks[np.sort(firsts)]}
+        if self.lost:
+            keep = ~np.isin(units, list(self.lost))
+            rows, units, pos, blocks = rows[keep], units[keep], pos[keep], blocks[keep]
+            if not len(rows):
+                return {c.name: np.empty((0, *c.shape), dtype=c.dtype) for c in self.columns}
         first = int(blocks[0])
         if (blocks == first).all():
-            table = self.block(first)
+            table = tables[first]
             lo = int(pos[0])
             if pos[-1] - lo == len(pos) - 1 and (np.diff(pos) == 1).all():
                 # A run in storage order: views, no copy. Safe to send zero-copy, since block
@@ -188,11 +231,9 @@ class BlockReader:
                 return {c.name: table[c.name][lo : lo + len(pos)] for c in self.columns}
             return {c.name: table[c.name].take(pos, axis=0) for c in self.columns}
         out = {c.name: np.empty((len(rows), *c.shape), dtype=c.dtype) for c in self.columns}
-        # In order of first appearance, so the block held longest is the one released first.
-        _, firsts = np.unique(blocks, return_index=True)
-        for b in blocks[np.sort(firsts)]:
+        for b in np.unique(blocks):
             mask = blocks == b
-            table = self.block(int(b))
+            table = tables[int(b)]
             for c in self.columns:
                 out[c.name][mask] = table[c.name][pos[mask]]
         return out

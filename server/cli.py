@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shuffle-block", type=_positive_int, default=8, help="row groups whose rows are mixed together")
     serve.add_argument("--heartbeat", type=_seconds, default=1.0, help="seconds of silence before a heartbeat")
     serve.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True, help="xxh3 checksum per array")
+    serve.add_argument("--on-bad-shard", choices=["fail", "skip"], default="fail",
+                       help="a shard that cannot be read: stop with its name (fail), or leave it out, "
+                            "count it and tell the clients (skip)")
     multimodal = serve.add_argument_group("converted multimodal datasets (fuelline convert)")
     multimodal.add_argument("--window", type=float, default=2.0, help="window length in seconds")
     multimodal.add_argument("--hop", type=float, default=1.0, help="seconds between window starts")
@@ -93,7 +96,8 @@ def _open_source(args: argparse.Namespace):
     from fuelline.server.ingest.manifest import is_converted_dataset
     from fuelline.server.parquet_source import ParquetSource
 
-    common = dict(batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block)
+    common = dict(batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block,
+                  on_bad_shard=args.on_bad_shard)
     if is_converted_dataset(args.dataset):
         from fuelline.server.windows.source import WindowSource
         from fuelline.server.windows.stages import load_stage

@@ -92,7 +92,8 @@ class FuelStreamSource:
         return {name: np.asarray(by_name[name]) for name in sources}
 
     def iter_batches(
-        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...]
+        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
+        on_loss: object = None,
     ) -> Iterator[dict[str, np.ndarray]]:
         head: list[dict[str, np.ndarray]] = []  # the first world_size batches, kept for padding
         mine = 0

@@ -89,9 +89,11 @@ class ParquetSource(UnitSource):
     """
 
     def __init__(
-        self, path: str, *, batch_size: int = 64, seed: int = 0, shuffle: bool = True, block_units: int = 8
+        self, path: str, *, batch_size: int = 64, seed: int = 0, shuffle: bool = True, block_units: int = 8,
+        on_bad_shard: str = "fail",
     ) -> None:
-        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units)
+        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units,
+                         on_bad_shard=on_bad_shard)
         self.path = path
         self._columns: dict[str, ColumnSpec] = {}
         self.unservable: dict[str, str] = {}
@@ -107,13 +109,23 @@ class ParquetSource(UnitSource):
     def _scan(self, split: str, files: list[str]) -> _Split:
         unit_file, unit_group, unit_rows, unit_bytes, metadata = [], [], [], [], []
         disk = 0
-        for i, f in enumerate(files):
+        kept: list[str] = []
+        for f in files:
             try:
-                meta = pq.read_metadata(f)
-                schema = meta.schema.to_arrow_schema()
-            except Exception as exc:
-                raise DataError(f"shard {f}: not a readable Parquet file ({exc})") from None
-            self._check_schema(f, schema)
+                try:
+                    meta = pq.read_metadata(f)
+                    schema = meta.schema.to_arrow_schema()
+                except Exception as exc:
+                    raise DataError(f"shard {f}: not a readable Parquet file ({exc})") from None
+                self._check_schema(f, schema)
+            except DataError as exc:
+                if self.on_bad_shard != "skip":
+                    raise
+                log.warning("leaving out %s (--on-bad-shard skip)", exc)
+                self.skipped.append({"split": split, "file": f, "reason": str(exc)})
+                continue
+            i = len(kept)
+            kept.append(f)
             metadata.append(meta)
             disk += os.path.getsize(f)
             for g in range(meta.num_row_groups):
@@ -128,7 +140,7 @@ class ParquetSource(UnitSource):
             raise DataError(f"split {split!r} of dataset {self.path!r} holds no rows")
         return _Split(
             name=split,
-            files=files,
+            files=kept,
             unit_file=np.asarray(unit_file, dtype=np.int64),
             unit_group=np.asarray(unit_group, dtype=np.int64),
             unit_rows=rows,
@@ -190,6 +202,7 @@ class ParquetSource(UnitSource):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_block": self.block_units,
+            "skipped_shards": [x for x in self.skipped if x["split"] == split],
         }
 
     def memory_per_client(self, split: str) -> int:

@@ -113,6 +113,10 @@ class Session:
         self._wake()
         return True
 
+    def _report_loss(self, message: str) -> None:
+        """Data left out under --on-bad-shard skip: the client is told, in order with its batches."""
+        self._put(("notice", encode(Error(ErrorCode.DATA_LOSS, message, fatal=False))))
+
     def _produce(self) -> None:
         h = self.hello
         epoch, cursor = h.epoch, h.cursor
@@ -120,7 +124,9 @@ class Session:
         try:
             while not self._stopped:
                 seq = cursor
-                batches = self._source.iter_batches(h.split, epoch, h.rank, h.world_size, cursor, self.sources)
+                batches = self._source.iter_batches(
+                    h.split, epoch, h.rank, h.world_size, cursor, self.sources, on_loss=self._report_loss
+                )
                 try:
                     for arrays in batches:
                         frames = encode(Batch(h.stream, epoch, seq, arrays), checksum=self._checksum)

@@ -9,7 +9,7 @@ dataset (``fuelline.server.windows.source.WindowSource``) and, for any Fuel-styl
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Mapping, Protocol
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import numpy as np
 
@@ -37,9 +37,11 @@ class BatchSource(Protocol):
         """Batches each rank gets per epoch, or None if unknown until the epoch ends."""
 
     def iter_batches(
-        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...]
+        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
+        on_loss: Callable[[str], None] | None = None,
     ) -> Iterator[dict[str, np.ndarray]]:
-        """Batches ``start, start + 1, …`` of one epoch for one rank, then stop."""
+        """Batches ``start, start + 1, …`` of one epoch for one rank, then stop; ``on_loss`` hears
+        of data the source had to leave out."""
 
     def close(self) -> None:
         """Release files and memory."""

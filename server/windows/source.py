@@ -77,8 +77,10 @@ class WindowSource(UnitSource):
         seed: int = 0,
         shuffle: bool = True,
         block_units: int = 8,
+        on_bad_shard: str = "fail",
     ) -> None:
-        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units)
+        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units,
+                         on_bad_shard=on_bad_shard)
         if normalize not in ("zscore", "none"):
             raise DataError(f"--normalize must be zscore or none, got {normalize!r}")
         try:
@@ -141,8 +143,20 @@ class WindowSource(UnitSource):
         return out
 
     def _scan(self, split: str) -> _Split:
-        recs = [(i, r) for i, r in enumerate(self.manifest.recordings) if r.split == split]
-        windows = [validity(self._signals(r, with_samples=False), self.spec) for _, r in recs]
+        recs, windows = [], []
+        for i, r in enumerate(self.manifest.recordings):
+            if r.split != split:
+                continue
+            try:
+                v = validity(self._signals(r, with_samples=False), self.spec)
+            except DataError as exc:
+                if self.on_bad_shard != "skip":
+                    raise
+                log.warning("leaving out recording %s: %s (--on-bad-shard skip)", r.id, exc)
+                self.skipped.append({"split": split, "recording": r.id, "reason": str(exc)})
+                continue
+            recs.append((i, r))
+            windows.append(v)
         rows = np.array([int(v.valid.sum()) for v in windows], dtype=np.int64)
         return _Split(recs, windows, rows)
 
@@ -227,6 +241,7 @@ class WindowSource(UnitSource):
             "emotions": list(self.manifest.emotions),
             "class_counts": self.windows_per_class(split),
             "dropped": self.dropped(split),
+            "skipped_recordings": [x for x in self.skipped if x["split"] == split],
             "window": self.spec.length,
             "hop": self.spec.hop,
             "max_gap": self.spec.max_gap,
