@@ -131,3 +131,38 @@ def test_classification_report_counts_right() -> None:
     assert r["accuracy"] == pytest.approx(3 / 5)
     assert r["recall"] == {"a": 0.5, "b": pytest.approx(2 / 3), "c": None}
     assert r["macro_f1"] == pytest.approx(np.mean([0.5, 2 * (2 / 3) * (2 / 3) / (4 / 3)]))
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_torchrun_job_resumes_the_same_sample_ids(dataset: Path, start_serve, tmp_path: Path) -> None:
+    import os
+    import signal
+    import time
+
+    server = start_serve(dataset, "--batch-size", "8", "--seed", "9")
+    whole = tmp_path / "whole"
+    torchrun(server.endpoint, "--epochs", "2", "--sample-log", str(whole))
+    parts, ck = tmp_path / "parts", tmp_path / "ck"
+    common = ("--epochs", "2", "--sample-log", str(parts), "--checkpoint-dir", str(ck), "--checkpoint-every", "2")
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            "-m", "fuelline.trainer", "--servers", server.endpoint, "--width", "8", *common]
+    job = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log0 = Path(f"{parts}.rank0")
+    deadline = time.monotonic() + 120
+    try:
+        # Wait until the job is well into its first epoch and has checkpointed, then kill it all.
+        while not (log0.exists() and len(lines(log0)) >= 7 and (ck / "latest.json").exists()):
+            assert job.poll() is None, "the job ended before it could be killed"
+            assert time.monotonic() < deadline, "the job made no progress"
+            time.sleep(0.05)  # polling files a separate process writes; bounded by the deadline
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(30)
+    saved = json.loads((ck / "latest.json").read_text())["step"]
+    # It died mid-epoch at or after its last checkpoint (steps past it, if any, are done again).
+    assert saved >= 2 and len(lines(log0)) >= saved
+    torchrun(server.endpoint, *common, "--resume")
+    for rank in range(2):
+        full = [r["ids"] for r in lines(Path(f"{whole}.rank{rank}"))]
+        resumed = [r["ids"] for r in lines(Path(f"{parts}.rank{rank}"))]
+        assert resumed == full  # the steps after the checkpoint were done again, and only once
