@@ -24,6 +24,7 @@ class CountingState:
     bytes_sent: int = 0
     elements: int = 0
 
+    @property
     def bytes_per_element(self) -> float:
         return self.bytes_sent / self.elements if self.elements else 0.0
 

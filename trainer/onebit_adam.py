@@ -1,0 +1,220 @@
+"""1-bit Adam: Adam whose momentum, not gradient, crosses the ranks in 1-bit form.
+
+Design note "why the momentum". Adam divides by the square root of its variance, an estimate
+made from the gradients themselves. Fed with sign-compressed gradients, that estimate is wrong in
+a way error feedback cannot undo (the compression error enters non-linearly), and training does
+not converge. Once training has settled, though, the variance changes slowly (Tang et al., 2021,
+"1-bit Adam"): it can be frozen, and with a frozen variance Adam's update is linear in the
+momentum, which compresses with error feedback as well as a gradient does under SGD.
+
+The arrangement keeps each piece where DDP and ``torch.optim`` expect it:
+
+* ``onebit_adam_hook`` is the DDP hook. During the warm-up it averages gradients with a plain
+  fp32 all-reduce and :class:`OneBitAdam` is Adam. From step ``freeze_step`` on it communicates
+  nothing and hands DDP the local gradients.
+* From then on :meth:`OneBitAdam.step` updates each rank's momentum with its local gradient,
+  averages the momentum with :func:`fuelline.trainer.onebit.onebit_allreduce` (two-phase 1-bit
+  exchange, worker and server error feedback under one fixed key, so DDP's bucket rebuilds do not
+  matter) and applies Adam's update with the frozen variance.
+
+Both share one :class:`~fuelline.trainer.onebit.OneBitState`: the optimizer sets its
+``local_gradients`` flag when the variance freezes, and its byte counters add the warm-up
+all-reduce and the compressed momentum alike. The averaged momentum is decoded from the same
+bytes on every rank and the variance was frozen from identically averaged gradients, so the
+parameters stay bit-identical across ranks.
+
+Usage::
+
+    state = register_onebit_adam(ddp_model)
+    optimizer = OneBitAdam(ddp_model.parameters(), lr=1e-3, freeze_step=100, state=state)
+"""
+
+# No ``from __future__ import annotations``: DDP compares a hook's annotations with the
+# GradBucket and Future classes themselves.
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from fuelline.trainer.onebit import OneBitState, fp32_allreduce, onebit_allreduce
+
+__all__ = ["OneBitAdam", "onebit_adam_hook", "register_onebit_adam"]
+
+# The momentum of all parameters travels as one vector under this error-feedback key.
+_MOMENTUM_KEY = "onebit_adam.momentum"
+
+
+def onebit_adam_hook(
+    state: OneBitState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP hook for :class:`OneBitAdam`: fp32 average while warming up, local gradients after."""
+    buffer = bucket.buffer()
+    if state.local_gradients:
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+    return fp32_allreduce(state, buffer)
+
+
+def register_onebit_adam(
+    ddp: DistributedDataParallel, state: OneBitState | None = None
+) -> OneBitState:
+    """Register :func:`onebit_adam_hook` on ``ddp``; returns the state for :class:`OneBitAdam`.
+
+    Raises:
+        TypeError: ``state`` is not a :class:`~fuelline.trainer.onebit.OneBitState`.
+    """
+    if state is None:
+        state = OneBitState(process_group=ddp.process_group)
+    elif not isinstance(state, OneBitState):
+        # Caught here, not as an AttributeError inside the backward pass.
+        raise TypeError(f"state must be a OneBitState or None, got {type(state).__name__}")
+    ddp.register_comm_hook(state, onebit_adam_hook)
+    return state
+
+
+class OneBitAdam(torch.optim.Optimizer):
+    """Adam for ``freeze_step`` steps, then Adam with frozen variance and 1-bit momentum exchange.
+
+    Weight decay is decoupled (as AdamW, and as DeepSpeed's 1-bit Adam): it is applied to the
+    parameters, which are identical on all ranks, so it never goes through compression.
+
+    From ``freeze_step`` on, ``p.grad`` holds this rank's local gradient when :meth:`step` runs
+    (the hook no longer averages it): gradient clipping or gradient-norm logging between
+    ``backward()`` and ``step()`` sees local values.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        betas: coefficients of the momentum and variance running averages.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay.
+        freeze_step: steps of uncompressed Adam before the variance freezes. Make it long enough
+            for the variance to settle (the paper uses about 15-25 % of training).
+        state: the state shared with :func:`onebit_adam_hook` on the DDP model.
+
+    Raises:
+        ValueError: a hyperparameter is out of range.
+        RuntimeError: (from :meth:`step`) a parameter got its first gradient after the variance
+            froze; it has no variance to divide by.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        freeze_step: int = 100,
+        state: OneBitState | None = None,
+    ) -> None:
+        if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
+            raise ValueError(
+                f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}"
+            )
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if freeze_step < 1:
+            raise ValueError(
+                f"freeze_step must be >= 1 (the variance needs a gradient), got {freeze_step}"
+            )
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.freeze_step = freeze_step
+        self.onebit_state = state if state is not None else OneBitState()
+        # Steps taken; decides the phase, so it is saved with the optimizer.
+        self.steps = 0
+        self._sync_hook()
+
+    def _sync_hook(self) -> None:
+        # The hook runs during the backward pass of the next step, so it must already know
+        # which phase that step is in.
+        self.onebit_state.local_gradients = self.steps >= self.freeze_step
+
+    def state_dict(self) -> dict[str, Any]:
+        state_dict = super().state_dict()
+        state_dict["onebit_steps"] = self.steps
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        self.steps = int(state_dict.pop("onebit_steps", 0))
+        super().load_state_dict(state_dict)
+        self._sync_hook()
+
+    @torch.no_grad()
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None
+    ) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.steps < self.freeze_step:
+            self._warmup_step()
+        else:
+            self._compressed_step()
+        self.steps += 1
+        self._sync_hook()
+        return loss
+
+    def _warmup_step(self) -> None:
+        # Plain Adam on the gradients the hook has already averaged.
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                # Updates of the variance, frozen with it: its bias correction stops there too.
+                state["variance_steps"] = state["step"]
+                state["exp_avg"].mul_(beta1).add_(p.grad, alpha=1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+                self._update(group, p)
+
+    def _compressed_step(self) -> None:
+        # Every parameter that has a variance takes part, with or without a gradient this step,
+        # so all ranks send momentum vectors of the same size.
+        tracked = [(g, p) for g in self.param_groups for p in g["params"] if p in self.state]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p not in self.state:
+                    raise RuntimeError(
+                        "a parameter received its first gradient after freeze_step; "
+                        "1-bit Adam has no variance for it"
+                    )
+        if not tracked:
+            return
+        momenta = []
+        for group, p in tracked:
+            beta1 = group["betas"][0]
+            self.state[p]["step"] += 1
+            exp_avg = self.state[p]["exp_avg"].mul_(beta1)
+            if p.grad is not None:
+                exp_avg.add_(p.grad, alpha=1 - beta1)
+            momenta.append(exp_avg.reshape(-1))
+        flat = torch.cat(momenta)
+        onebit_allreduce(self.onebit_state, flat, key=_MOMENTUM_KEY).wait()
+        offset = 0
+        for group, p in tracked:
+            exp_avg = self.state[p]["exp_avg"]
+            exp_avg.copy_(flat[offset : offset + exp_avg.numel()].view_as(exp_avg))
+            offset += exp_avg.numel()
+            self._update(group, p)
+
+    def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        state = self.state[p]
+        beta1, beta2 = group["betas"]
+        bias_correction1 = 1 - beta1 ** state["step"]
+        bias_correction2 = 1 - beta2 ** state["variance_steps"]
+        denom = (state["exp_avg_sq"] / bias_correction2).sqrt_().add_(group["eps"])
+        if group["weight_decay"]:
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bias_correction1)
