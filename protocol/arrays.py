@@ -39,9 +39,14 @@ class Limits:
     max_ndim: int = 32
     max_array_bytes: int = 2**31
     max_batch_bytes: int = 2**32
+    # Valid headers nest 4 deep (header → "a" → entry → shape). msgpack unpacks up to 1024 levels,
+    # but repr() and == recurse in C and raise RecursionError, not ProtocolError, near 1000.
+    max_header_depth: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("max_header_bytes", "max_arrays", "max_ndim", "max_array_bytes", "max_batch_bytes"):
+        for name in (
+            "max_header_bytes", "max_arrays", "max_ndim", "max_array_bytes", "max_batch_bytes", "max_header_depth"
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"Limits.{name} must be a positive int, got {value!r}")

@@ -8,9 +8,9 @@ Frame layout of every message::
               and "ck": the checksum algorithm ("xxh3_64") or nil.
 
 Decoding checks, before anything is allocated: the header size, msgpack string/array/map sizes,
-the version (an Error is readable from any version), the message type, every field, the array
-count, and per array dtype × shape == nbytes == frame length, then the checksum. Nothing is
-unpickled; a header can only hold plain msgpack values.
+the nesting depth, the version (an Error is readable from any version), the message type, every
+field, the array count, and per array dtype × shape == nbytes == frame length, then the checksum.
+Nothing is unpickled; a header can only hold plain msgpack values.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def encode(msg: Message, *, checksum: bool = True) -> list[Any]:
         elif isinstance(msg, Batch) and f.name == "checksum":
             header["ck"] = CHECKSUMS[0] if checksum else None
         else:
-            header[f.name] = list(value) if isinstance(value, tuple) else value
+            header[f.name] = [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple) else value
     return [encode_header(header), *frames]
 
 
@@ -94,7 +94,19 @@ def _unpack_header(frame: Any, limits: Limits) -> dict[str, Any]:
         raise ProtocolError(f"undecodable header ({type(exc).__name__}: {exc})") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a map, got {type(header).__name__}")
+    _check_depth(header, limits.max_header_depth)
     return header
+
+
+def _check_depth(header: dict[str, Any], limit: int) -> None:
+    """Refuse deep nesting before anything recurses into the header (error messages repr it)."""
+    level: list[Any] = [header]
+    for _ in range(limit):
+        children = (c for v in level for c in (v.values() if isinstance(v, dict) else v))
+        level = [c for c in children if isinstance(c, (dict, list))]
+        if not level:
+            return
+    raise ProtocolError(f"header nested deeper than {limit} levels")
 
 
 def peek_type(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> str | None:
