@@ -25,6 +25,7 @@ from typing import Any
 
 import zmq
 
+from fuelline.client.curve import CurveKeys, HandshakeWatch
 from fuelline.protocol import (
     DEFAULT_LIMITS,
     Batch,
@@ -71,6 +72,7 @@ class Connection:
         hwm: batches the client may hold (received and not yet taken, plus in flight).
         heartbeat: the client's heartbeat interval.
         timeout: seconds without hearing the server before ServerUnavailable.
+        curve: CURVE keys to connect with; None for a server without CURVE.
     """
 
     BACKOFF_MIN = 0.05
@@ -87,6 +89,7 @@ class Connection:
         verify: bool = True,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.welcome: Welcome | None = None
@@ -99,6 +102,9 @@ class Connection:
         self._verify = verify
         self._limits = limits
         self._ctx = context or zmq.Context.instance()
+        # CURVE: a refused handshake is silence to the socket; the watch tells the client why.
+        self._curve = curve
+        self._watch = HandshakeWatch(endpoint, curve)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._keepalive = threading.Thread(target=self._keep_alive, name=f"fuelline-keepalive-{endpoint}", daemon=True)
@@ -108,6 +114,7 @@ class Connection:
         self._stream = 0  # the user's stream (changes on seek); tags the items handed over
         self._gen = 0  # the Hello counter on the wire (changes on every Hello); tags batches
         self._pos = (0, 0)  # the next (epoch, seq) expected from the server
+        self._history: tuple = ()  # segments of _pos's epoch run at other world sizes (Hello.history)
         self._undelivered = 0  # batches received for the current stream, not yet taken
         self._pending_credit = 0  # batches taken, not yet returned to the server as credit
         self._credit_group = max(1, hwm // 4)
@@ -122,17 +129,18 @@ class Connection:
         self._last_heard = self._last_sent = self._hello_sent = now
 
     # -- the user's side -----------------------------------------------------------------------
-    def start(self, stream: int, epoch: int, cursor: int) -> None:
+    def start(self, stream: int, epoch: int, cursor: int, history: tuple = ()) -> None:
         with self._lock:
-            self._stream, self._pos = stream, (epoch, cursor)
+            self._stream, self._pos, self._history = stream, (epoch, cursor), tuple(history)
             self._last_heard = time.monotonic()
             self._open()
         self._keepalive.start()
 
-    def seek(self, stream: int, epoch: int, cursor: int) -> None:
+    def seek(self, stream: int, epoch: int, cursor: int, history: tuple = ()) -> None:
         """Restart the stream at a position; items of older streams are dropped."""
         with self._lock:
             self._stream, self._pos, self._undelivered = stream, (epoch, cursor), 0
+            self._history = tuple(history)
             self._items.clear()
             if self._sock is not None:
                 self._say_hello()
@@ -171,7 +179,7 @@ class Connection:
                     raise self._error
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise ServerUnavailable(self.endpoint, timeout, "no welcome")
+                    raise ServerUnavailable(self.endpoint, timeout, self._detail("no welcome"))
                 self._step(min(left, self._tick))
             return self.welcome
 
@@ -222,6 +230,7 @@ class Connection:
             stream=self._gen,
             epoch=self._pos[0],
             cursor=self._pos[1],
+            history=self._history if self._history else (),
             credit=max(0, self._hwm - self._undelivered),
             heartbeat=self._heartbeat,
         )
@@ -232,6 +241,9 @@ class Connection:
         sock.setsockopt(zmq.SNDHWM, 0)  # only small control messages go out; never drop a Credit
         sock.setsockopt(zmq.RCVHWM, 0)  # credit bounds what comes in
         sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
+        if self._curve is not None:
+            self._curve.apply(sock)
+        self._watch.attach(sock)
         sock.connect(self.endpoint)
         self._sock = sock
         self._connected = False
@@ -250,6 +262,7 @@ class Connection:
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+        self._watch.detach()
         self._connected = False
 
     def _send(self, msg: Any) -> None:
@@ -287,13 +300,17 @@ class Connection:
             self._open()
         if self._sock is not None and (self._sock.poll(wait * 1000) if wait > 0 else True):
             self._drain_socket()
+        if self._sock is not None and not self._connected:  # handshakes happen before a Welcome
+            refused = self._watch.check()
+            if refused is not None:
+                self._fail(refused)
         if self._error is not None:
             return
         now = time.monotonic()
         silent = now - self._last_heard
         if silent > self._timeout:
             detail = f"it said: {self._bye_reason}" if self._bye_reason else ""
-            self._fail(ServerUnavailable(self.endpoint, silent, detail))
+            self._fail(ServerUnavailable(self.endpoint, silent, self._detail(detail)))
             return
         if self._sock is None:
             return
@@ -308,6 +325,11 @@ class Connection:
             self._backoff = min(self._backoff * 2, self.BACKOFF_MAX)
         elif now - self._last_sent >= self._heartbeat:
             self._send(Heartbeat())
+
+    def _detail(self, detail: str) -> str:
+        """``detail``, and what the handshakes suggest when the server was never heard properly."""
+        hint = self._watch.hint()
+        return "; ".join(part for part in (detail, hint) if part)
 
     def _drain_socket(self) -> None:
         while self._sock is not None and self._error is None:
@@ -344,6 +366,7 @@ class Connection:
                 return
             self._items.append(Item(self._stream, "end", msg.epoch, msg.batches))
             self._pos = (msg.epoch + 1, 0)
+            self._history = ()  # later epochs start whole
         elif isinstance(msg, Welcome):
             if msg.stream == self._gen:
                 self._connected = True

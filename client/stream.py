@@ -10,6 +10,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import zmq
 
 from fuelline.client.connection import Connection, Item
+from fuelline.client.curve import CurveKeys
 from fuelline.protocol import DEFAULT_LIMITS, Hello, Limits, ReceiveTimeout
 
 __all__ = ["ServerDataStream"]
@@ -51,10 +52,16 @@ class ServerDataStream:
         tensors: yield torch tensors (zero-copy) instead of numpy arrays.
         verify: check every array against its checksum.
         client_id: a stable name for this client in the server's logs; random by default.
+        curve_keys: for a server that uses CURVE (``fuelline serve --curve-keys``): a directory
+            holding this client's ``client.key_secret`` and the server's ``server.key``, or a
+            ``fuelline.client.curve.CurveKeys``. None connects without encryption.
 
     Raises:
         ServerUnavailable: no answer from the server within ``timeout``.
-        RemoteError: the server refused the request (unknown source or split, version, data error).
+        RemoteError: the server refused the request (unknown source or split, version, data
+            error), or refused this client's CURVE key (code ``curve-refused``) or its lack of
+            one (``curve-mismatch``).
+        DataError: a CURVE key file is missing or unreadable (the message names it).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class ServerDataStream:
         client_id: str | None = None,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
+        curve_keys: str | os.PathLike[str] | CurveKeys | None = None,
     ) -> None:
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
@@ -116,9 +124,12 @@ class ServerDataStream:
         self._verify = verify
         self._limits = limits
         self._context = context
+        # Loaded now, so a missing key file fails here rather than at the first batch.
+        self._curve = curve_keys if isinstance(curve_keys, CurveKeys) or curve_keys is None else CurveKeys.from_dir(curve_keys)
         self._conn: Connection | None = None
         self._stream = 0  # the stream the connection is reading; changes on every seek
-        self._pos = (0, 0)  # position of the next item the connection will hand over
+        self._pos: tuple = (0, 0, ())  # (epoch, batch, history) of the next item the connection hands over
+        self._history: tuple = ()  # segments of self._epoch run at other world sizes (resume)
         self._epoch = 0  # next epoch to start, or the one in progress
         self._cursor = 0  # batches of self._epoch delivered
         self._active: object | None = None  # token of an epoch iterator that delivered batches
@@ -160,7 +171,7 @@ class ServerDataStream:
             raise RuntimeError("ServerDataStream is closed")
         if self._active is not None:
             # The previous epoch was left part-way: Fuel moves on to the next epoch.
-            self._epoch, self._cursor, self._active = self._epoch + 1, 0, None
+            self._epoch, self._cursor, self._history, self._active = self._epoch + 1, 0, (), None
         self._position_at(self._epoch, self._cursor)
         token = self._current = object()
         return self._iterate(token, as_dict)
@@ -181,19 +192,30 @@ class ServerDataStream:
             "rank": self.rank,
             "world_size": self.world_size,
             "split": self.split,
+            "history": [list(h) for h in self._history],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a ``state_dict()``: the next epoch iterator resumes at its position."""
+        """Continue from a ``state_dict()``: the next epoch iterator resumes at its position.
+
+        The state may come from another world size (a job of 4 ranks resumed on 2): ranks read
+        in lockstep, so every rank's state holds the same position, and the rest of the
+        interrupted epoch is shared out afresh among the new ranks, none lost or repeated. The
+        server must serve a unit-based source (Parquet or converted multimodal data) for that.
+        """
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"state format {state.get('format')!r} is not {STATE_FORMAT}")
-        for key in ("rank", "world_size", "split"):
-            if state[key] != getattr(self, key):
-                raise ValueError(f"state was saved with {key}={state[key]!r}, this stream has {getattr(self, key)!r}")
+        if state["split"] != self.split:
+            raise ValueError(f"state was saved with split={state['split']!r}, this stream has {self.split!r}")
         epoch, cursor = state["epoch"], state["cursor"]
         if type(epoch) is not int or type(cursor) is not int or epoch < 0 or cursor < 0:
             raise ValueError(f"state has an invalid position epoch={epoch!r} cursor={cursor!r}")
-        self._epoch, self._cursor, self._active = epoch, cursor, None
+        history = tuple((int(w), int(c)) for w, c in state.get("history", ()))
+        if state["world_size"] != self.world_size:
+            history, cursor = history + ((int(state["world_size"]), cursor),), 0
+        elif state["rank"] != self.rank:
+            raise ValueError(f"state was saved by rank {state['rank']}, this stream is rank {self.rank}")
+        self._epoch, self._cursor, self._history, self._active = epoch, cursor, history, None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -221,17 +243,19 @@ class ServerDataStream:
                 verify=self._verify,
                 limits=self._limits,
                 context=self._context,
+                curve=self._curve,
             )
-            self._conn.start(self._stream, self._epoch, self._cursor)
-            self._pos = (self._epoch, self._cursor)
+            self._conn.start(self._stream, self._epoch, self._cursor, self._history)
+            self._pos = (self._epoch, self._cursor, self._history)
         return self._conn
 
     def _position_at(self, epoch: int, cursor: int) -> None:
         conn = self._connection()
-        if self._pos != (epoch, cursor):
+        # The same batch numbers mean other batches under another history: compare both.
+        if self._pos != (epoch, cursor, self._history):
             self._stream += 1
-            conn.seek(self._stream, epoch, cursor)
-            self._pos = (epoch, cursor)
+            conn.seek(self._stream, epoch, cursor, self._history)
+            self._pos = (epoch, cursor, self._history)
 
     def _welcome(self) -> Any:
         return self._connection().wait_welcome(self.timeout)
@@ -265,12 +289,12 @@ class ServerDataStream:
             conn = self._conn
             assert conn is not None
             if item.kind == "end":
-                self._epoch, self._cursor = item.epoch + 1, 0
-                self._pos = (self._epoch, 0)
+                self._epoch, self._cursor, self._history = item.epoch + 1, 0, ()
+                self._pos = (self._epoch, 0, ())
                 if self._active is token:
                     self._active = None
                 return
-            self._pos = (item.epoch, item.seq + 1)
+            self._pos = (item.epoch, item.seq + 1, self._history)
             self._epoch, self._cursor = item.epoch, item.seq + 1
             self._active = token
             conn.credit(item.stream)

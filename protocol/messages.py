@@ -96,6 +96,9 @@ class Hello:
         epoch, cursor: the first batch wanted (the resume position).
         credit: how many batches the server may have in flight to this client.
         heartbeat: the client's heartbeat interval in seconds.
+        history: the segments of ``epoch`` already run at other world sizes, oldest first:
+            (world size, batches each rank took). Empty unless a position is resumed on another
+            world size (see ``fuelline.server.ordering.remaining_order``).
     """
 
     TYPE: ClassVar[str] = "hello"
@@ -109,9 +112,20 @@ class Hello:
     cursor: int = 0
     credit: int = 10
     heartbeat: float = 1.0
+    history: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         _check_str("Hello", "client_id", self.client_id)
+        if not isinstance(self.history, (list, tuple)) or len(self.history) > 64:
+            raise ValueError("Hello.history must be a list of at most 64 (world size, batches) pairs")
+        pairs = []
+        for pair in self.history:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"Hello.history entries must be (world size, batches) pairs, got {pair!r:.60}")
+            _check_int("Hello", "history world size", pair[0], 1)
+            _check_int("Hello", "history batches", pair[1])
+            pairs.append((pair[0], pair[1]))
+        object.__setattr__(self, "history", tuple(pairs))
         _check_int("Hello", "world_size", self.world_size, 1)
         _check_int("Hello", "rank", self.rank)
         if self.rank >= self.world_size:
@@ -121,6 +135,10 @@ class Hello:
             _check_names("Hello", "sources", self.sources)
         for name in ("stream", "epoch", "cursor", "credit"):
             _check_int("Hello", name, getattr(self, name))
+            # Far below what msgpack can carry, so the server can always count on from here
+            # (credit needs no cap: the server never has more than its hwm in flight).
+            if name != "credit" and getattr(self, name) > 2**48:
+                raise ValueError(f"Hello.{name} {getattr(self, name)} is beyond 2**48")
         _check_interval("Hello", "heartbeat", self.heartbeat)
 
 

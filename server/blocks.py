@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Protocol, Sequence
 import numpy as np
 
 from fuelline.protocol import DataError
-from fuelline.server.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows
+from fuelline.server.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows, remaining_order
 
 __all__ = ["Column", "UnitSource", "BlockReader"]
 
@@ -91,12 +91,16 @@ class UnitSource:
     def iter_batches(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
         on_loss: Callable[[str], None] | None = None,
+        history: Sequence[tuple[int, int]] = (),
     ) -> Iterator[dict[str, np.ndarray]]:
         """Batches ``start…`` of an epoch for a rank. With ``--on-bad-shard skip`` a unit that
         cannot be read is left out of its batches (which come out shorter) and ``on_loss`` is
-        told which and how many rows; otherwise its DataError ends the epoch."""
+        told which and how many rows; otherwise its DataError ends the epoch. ``history``: the
+        segments of this epoch already run at other world sizes (see ``remaining_order``)."""
         plan = self._plan(split, epoch)
-        rows = rank_rows(plan.order, rank, world_size)
+        order = remaining_order(plan.order, history, self.batch_size) if history else plan.order
+        rows = rank_rows(order, rank, world_size)
+        count = -(-len(rows) // self.batch_size) if len(order) else 0
         columns = list(self.column_specs(sources))
         reader = BlockReader(
             self.unit_rows(split), columns, plan, self._readahead_pool(),
@@ -104,7 +108,7 @@ class UnitSource:
             skip_bad=self.on_bad_shard == "skip", on_loss=on_loss,
         )
         try:
-            for b in range(start, self.batches_per_epoch(split, rank, world_size)):
+            for b in range(start, count):
                 batch = reader.gather(rows[b * self.batch_size : (b + 1) * self.batch_size])
                 yield self.finish_batch(split, batch, sources)
         finally:

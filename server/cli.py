@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shuffle-block", type=_positive_int, default=8, help="row groups whose rows are mixed together")
     serve.add_argument("--heartbeat", type=_seconds, default=1.0, help="seconds of silence before a heartbeat")
     serve.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True, help="xxh3 checksum per array")
+    serve.add_argument("--curve-keys", metavar="DIR",
+                       help="encrypt with CURVE and accept only the client keys in DIR/authorized/ (fuelline keygen)")
     serve.add_argument("--on-bad-shard", choices=["fail", "skip"], default="fail",
                        help="a shard that cannot be read: stop with its name (fail), or leave it out, "
                             "count it and tell the clients (skip)")
@@ -79,16 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--hwm", type=_positive_int, default=10)
     stream.add_argument("--timeout", type=_seconds, default=60.0)
     stream.add_argument("--json", action="store_true", help="print one JSON object per epoch")
+    stream.add_argument("--curve-keys", default=None, metavar="DIR",
+                        help="connect with CURVE: DIR holds client.key_secret and the server's server.key")
 
     serve.set_defaults(func=_serve)
     sample.set_defaults(func=_sample)
     stream.set_defaults(func=_stream)
     # Subcommands that live beside what they run: each module adds its parser and its function.
-    from fuelline.server import inspect
+    from fuelline.server import inspect, keys
     from fuelline.server.ingest import commands as ingest_commands
 
     ingest_commands.register(sub)
     inspect.register(sub)
+    keys.register(sub)
     return parser
 
 
@@ -120,9 +125,11 @@ def _describe(info: dict) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from fuelline.server.keys import CurveConfig
     from fuelline.server.serving import Server
     from fuelline.server.start import serve_until_signalled
 
+    curve = CurveConfig.from_dir(args.curve_keys) if args.curve_keys else None  # before the dataset: fail fast
     source = _open_source(args)
     for split in source.splits:
         info = source.info(split)
@@ -131,7 +138,8 @@ def _serve(args: argparse.Namespace) -> int:
             split, info["rows"], _describe(info), source.batches_per_epoch(split, 0, 1),
             args.batch_size, source.memory_per_client(split) / 1e6,
         )
-    server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum)
+    server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum,
+                    curve=curve)
     try:
         server.bind()
     except Exception as exc:
@@ -155,7 +163,7 @@ def _stream(args: argparse.Namespace) -> int:
 
     with ServerDataStream(
         endpoints=[args.endpoint], split=args.split, rank=args.rank, world_size=args.world_size,
-        hwm=args.hwm, timeout=args.timeout,
+        hwm=args.hwm, timeout=args.timeout, curve_keys=args.curve_keys,
     ) as stream:
         for epoch in range(args.epochs):
             batches = rows = nbytes = 0

@@ -94,7 +94,13 @@ class FuelStreamSource:
     def iter_batches(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
         on_loss: object = None,
+        history: object = (),
     ) -> Iterator[dict[str, np.ndarray]]:
+        if history:
+            raise DataError(
+                "a Fuel-style stream cannot resume an epoch on another world size; "
+                "finish the epoch at the old world size, or serve a Parquet dataset"
+            )
         head: list[dict[str, np.ndarray]] = []  # the first world_size batches, kept for padding
         mine = 0
         total = 0

@@ -19,10 +19,11 @@ Nothing here depends on timing, worker counts or the number of clients.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
-__all__ = ["EpochPlan", "epoch_plan", "epoch_rng", "epoch_order", "rank_rows", "rows_per_rank", "batches_per_rank"]
+__all__ = ["EpochPlan", "epoch_plan", "epoch_rng", "epoch_order", "rank_rows", "rows_per_rank", "batches_per_rank", "remaining_order"]
 
 
 def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
@@ -99,5 +100,34 @@ def rank_rows(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     lo, hi = rank * per_rank, (rank + 1) * per_rank
     if hi <= len(order):
         return order[lo:hi]
-    # np.resize repeats the sequence, which also covers a world size larger than the data.
-    return np.resize(order, world_size * per_rank)[lo:hi]
+    # Wrap around by index, which also covers a world size larger than the data. Only this rank's
+    # span is built: a Hello may name any world size (2**40), and padding the whole order to
+    # world_size × per_rank rows (np.resize) let one small message allocate gigabytes.
+    n = len(order)
+    return order[(lo % n + np.arange(per_rank, dtype=np.int64)) % n]
+
+
+def remaining_order(order: np.ndarray, history: Sequence[tuple[int, int]], batch_size: int) -> np.ndarray:
+    """What is left of an epoch's order after segments run at other world sizes.
+
+    ``history`` lists, oldest first, the segments the epoch was interrupted in: (world size,
+    batches each rank had taken). Each segment sharded what was left at the time, as
+    ``rank_rows`` does; the rows its ranks took are removed (padding rows included, so a row
+    taken once is never served again in the epoch). The rest keeps its order, and the current
+    world size shards it afresh: a position can be carried to any world size.
+    """
+    rest = np.asarray(order)
+    for world_size, batches in history:
+        if world_size < 1 or batches < 0:
+            raise ValueError(f"invalid resume segment ({world_size}, {batches})")
+        if not len(rest):
+            break
+        per_rank = rows_per_rank(len(rest), world_size)
+        taken_each = min(batches * batch_size, per_rank)
+        # Positions (in ``rest``) that the segment's ranks took: the head of each rank's span of
+        # the wrap-padded sequence.
+        padded_positions = (np.arange(world_size)[:, None] * per_rank + np.arange(taken_each)[None, :]).reshape(-1)
+        taken = np.zeros(len(rest), dtype=bool)
+        taken[padded_positions % len(rest)] = True
+        rest = rest[~taken]
+    return rest

@@ -34,6 +34,7 @@ from fuelline.protocol import (
     decode,
     encode,
 )
+from fuelline.server.keys import CurveConfig, is_loopback, start_authenticator
 from fuelline.server.session import Session
 from fuelline.server.sources import BatchSource
 
@@ -41,7 +42,9 @@ __all__ = ["Server"]
 
 log = logging.getLogger("fuelline.server")
 
-# Clients send only small control messages; anything bigger is refused by libzmq itself.
+# Clients send only small control messages: libzmq disconnects a peer whose frame is bigger. It
+# caps each frame, not a whole multipart message (libzmq has no such option), so a hostile peer can
+# still make the server hold many frames; off loopback, CURVE keeps strangers out altogether.
 MAX_INBOUND_BYTES = 1 << 20
 
 
@@ -55,6 +58,9 @@ class Server:
         heartbeat: seconds of silence after which the server sends a heartbeat.
         checksum: put an xxh3 checksum of every array in its header.
         limits: hard limits on what the server decodes.
+        curve: encrypt, and accept only the clients whose keys it lists
+            (``CurveConfig.from_dir(DIR)``); None serves in the clear, which off loopback is
+            logged as a warning.
     """
 
     def __init__(
@@ -68,6 +74,7 @@ class Server:
         checksum: bool = True,
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
+        curve: CurveConfig | None = None,
     ) -> None:
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
@@ -80,6 +87,8 @@ class Server:
         self.heartbeat = heartbeat
         self.checksum = checksum
         self.limits = limits
+        self.curve = curve
+        self._auth: Any = None  # the ZAP authenticator thread, while CURVE is on
         self.sessions: dict[bytes, Session] = {}
         self.endpoint: str | None = None
         # A context of its own, terminated at shutdown: that waits (up to the linger) until
@@ -106,13 +115,42 @@ class Server:
         address = f"[{self.host}]" if ":" in self.host else self.host
         if ":" in self.host:
             router.setsockopt(zmq.IPV6, 1)
-        if self.port == 0:
-            self.port = router.bind_to_random_port(f"tcp://{address}")
-        else:
-            router.bind(f"tcp://{address}:{self.port}")
+        try:
+            self._secure(router)
+            if self.port == 0:
+                self.port = router.bind_to_random_port(f"tcp://{address}")
+            else:
+                router.bind(f"tcp://{address}:{self.port}")
+        except BaseException:
+            router.close(linger=0)
+            self._stop_auth()
+            raise
         self._router = router
         self.endpoint = f"tcp://{address}:{self.port}"
         return self.endpoint
+
+    def _secure(self, router: zmq.Socket) -> None:
+        """CURVE on the socket (before bind), or a warning where the clear text can leave the machine."""
+        if self.curve is None:
+            if not is_loopback(self.host):
+                log.warning(
+                    "serving on %s without encryption or authentication: anyone who can reach this port "
+                    "can read the data; create keys with `fuelline keygen` and serve with --curve-keys DIR "
+                    "(Server(curve=CurveConfig.from_dir(DIR)))",
+                    self.host,
+                )
+            return
+        # The authenticator must answer before the first client connects: without a ZAP
+        # handler, libzmq lets every CURVE client in.
+        self._auth = start_authenticator(self._ctx, self.curve)
+        router.curve_secretkey = self.curve.secret_key
+        router.curve_publickey = self.curve.public_key
+        router.curve_server = True
+
+    def _stop_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()  # closes its sockets: the context cannot terminate before this
+            self._auth = None
 
     def stop(self, reason: str = "server shutting down") -> None:
         """Ask the loop to say Bye to every client and return. Safe from signal handlers and threads."""
@@ -313,6 +351,7 @@ class Server:
         if self._router is not None:
             self._router.close()  # LINGER 1000: a Bye still queued gets a second to leave
             self._router = None
+        self._stop_auth()
         if self._own_ctx:
             self._ctx.term()
         self._pipe_closed = True

@@ -124,8 +124,10 @@ class Session:
         try:
             while not self._stopped:
                 seq = cursor
+                # The first epoch may be one resumed from another world size (Hello.history).
+                extra = {"history": h.history} if h.history and epoch == h.epoch else {}
                 batches = self._source.iter_batches(
-                    h.split, epoch, h.rank, h.world_size, cursor, self.sources, on_loss=self._report_loss
+                    h.split, epoch, h.rank, h.world_size, cursor, self.sources, on_loss=self._report_loss, **extra
                 )
                 try:
                     for arrays in batches:

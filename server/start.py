@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from fuelline.server.fuel_source import FuelStreamSource
+from fuelline.server.keys import CurveConfig
 from fuelline.server.serving import Server
 
 __all__ = ["start_server", "serve_until_signalled"]
@@ -37,6 +38,7 @@ def start_server(
     *,
     heartbeat: float = 1.0,
     checksum: bool = True,
+    curve_keys: str | None = None,
 ) -> None:
     """Serve a data stream to ``ServerDataStream`` clients until SIGTERM/SIGINT, as Fuel did.
 
@@ -49,9 +51,13 @@ def start_server(
         host: interface to bind; loopback by default.
         heartbeat: seconds of silence after which the server sends a heartbeat.
         checksum: checksum every array (xxh3).
+        curve_keys: a directory made with ``fuelline keygen`` (``server.key_secret``, and
+            ``authorized/`` with the public key of every client to accept): encrypt and
+            authenticate with CURVE. None serves in the clear (a warning off loopback).
     """
     source = data_stream if hasattr(data_stream, "iter_batches") else FuelStreamSource(data_stream)
-    server = Server(source, host=host, port=port, hwm=hwm, heartbeat=heartbeat, checksum=checksum)
+    curve = CurveConfig.from_dir(curve_keys) if curve_keys is not None else None
+    server = Server(source, host=host, port=port, hwm=hwm, heartbeat=heartbeat, checksum=checksum, curve=curve)
     server.bind()
     try:
         serve_until_signalled(server)

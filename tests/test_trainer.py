@@ -166,3 +166,38 @@ def test_a_killed_torchrun_job_resumes_the_same_sample_ids(dataset: Path, start_
         full = [r["ids"] for r in lines(Path(f"{whole}.rank{rank}"))]
         resumed = [r["ids"] for r in lines(Path(f"{parts}.rank{rank}"))]
         assert resumed == full  # the steps after the checkpoint were done again, and only once
+
+
+@pytest.mark.timeout(400)
+def test_a_checkpoint_of_two_ranks_resumes_on_one_without_losing_a_window(dataset: Path, start_serve, tmp_path: Path) -> None:
+    server = start_serve(dataset, "--batch-size", "8", "--seed", "5")
+    log, ck = tmp_path / "ids", tmp_path / "ck"
+    common = ("--epochs", "1", "--sample-log", str(log), "--checkpoint-dir", str(ck))
+    torchrun(server.endpoint, *common, "--max-steps", "4")
+    torchrun(server.endpoint, *common, "--resume", nproc=1)
+    before = [i for rank in range(2) for r in lines(Path(f"{log}.rank{rank}")) if r["step"] <= 4 for i in r["ids"]]
+    after = [i for r in lines(Path(f"{log}.rank0")) if r["step"] > 4 for i in r["ids"]]
+    from fuelline.server.windows.source import WindowSource
+
+    total = WindowSource(str(dataset)).rows("train")
+    assert len(set(before)) == len(before) == 2 * 4 * 8  # two ranks, four steps, eight windows
+    assert not set(before) & set(after)  # nothing repeated
+    assert len(set(before) | set(after)) == total  # nothing lost
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("options", [
+    ("--compression", "onebit", "--optimizer", "sgd", "--lr", "0.01", "--warmup-iters", "2"),
+    ("--optimizer", "onebit-adam", "--freeze-step", "3"),
+])
+def test_one_bit_training_sends_a_thirty_second_of_fp32(dataset: Path, start_serve, tmp_path: Path, options) -> None:
+    server = start_serve(dataset, "--batch-size", "16")
+    metrics = tmp_path / "metrics.jsonl"
+    torchrun(server.endpoint, "--epochs", "2", "--metrics-json", str(metrics), *options)
+    records = lines(metrics)
+    assert [r["epoch"] for r in records] == [0, 1]
+    warm = records[1]["grad_bytes_per_element"]
+    fp32_ring = 2 * (2 - 1) / 2 * 4
+    # After the warm-up, 1/32 of fp32 plus the block scales: at most 3.3 % of an fp32 ring all-reduce.
+    assert warm is not None and warm / fp32_ring <= 0.033, warm
+    assert all(np.isfinite(r["train_loss"]) for r in records)

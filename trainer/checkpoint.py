@@ -54,13 +54,15 @@ class Checkpoints:
                 os.remove(self._path(step, self.rank))
 
     def load_latest(self) -> dict[str, Any] | None:
+        """This rank's state of the latest checkpoint. From a run of another world size, any old
+        rank's file serves (model, optimizer and data position are the same on every rank), and
+        ``"resized"`` says so: what is per rank (compression error buffers) no longer applies."""
         latest = os.path.join(self.directory, "latest.json")
         if not os.path.exists(latest):
             return None
         with open(latest) as f:
             meta = json.load(f)
-        if meta["world_size"] != self.world_size:
-            raise RuntimeError(
-                f"checkpoint in {self.directory} was written by {meta['world_size']} ranks; this run has {self.world_size}"
-            )
-        return torch.load(self._path(meta["step"], self.rank), weights_only=False)
+        old = int(meta["world_size"])
+        state = torch.load(self._path(meta["step"], self.rank % old), weights_only=False)
+        state["resized"] = old != self.world_size
+        return state

@@ -97,7 +97,7 @@ class Trainer:
         if self.args.optimizer == "onebit-adam":
             from fuelline.trainer.onebit_adam import register_onebit_adam
 
-            return register_onebit_adam(self.ddp, self.args)
+            return register_onebit_adam(self.ddp)
         return comm.register(self.ddp, self.args.compression, self.args.warmup_iters)
 
     # -- checkpoints -----------------------------------------------------------------------------
@@ -123,7 +123,10 @@ class Trainer:
             return
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        if state["comm"] is not None:
+        if state["resized"]:
+            log.warning("resuming a run of another world size: the rest of the interrupted epoch is shared out "
+                        "afresh; compression error-feedback buffers start empty")
+        elif state["comm"] is not None:
             self.comm_state.load_state_dict(state["comm"])
         if self.weighting and state["weighting"]:
             self.weighting.load_state_dict(state["weighting"])

@@ -1,0 +1,245 @@
+"""CURVE on the client side: the keys a client connects with, and what its handshakes tell.
+
+A server that uses CURVE (``fuelline serve --curve-keys DIR``) accepts only clients whose public
+key is in its ``DIR/authorized/``. A client needs its own key pair and the server's public key,
+all ZeroMQ certificate files as ``fuelline keygen`` writes them::
+
+    DIR/client.key_secret   this client's key pair (``fuelline keygen DIR --name client``)
+    DIR/server.key          the server's public certificate, copied from the server
+
+ZeroMQ refuses a client during the handshake, before any fuelline message, so a refused client
+would only see silence. ``HandshakeWatch`` reads the socket's monitor events instead: a refused
+key or a CURVE/plain mismatch fails at once, and other failed handshakes are named when the
+client gives up. The key-file loader lives here because both sides need it and the client must
+not import the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Union
+
+import zmq
+import zmq.auth
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
+
+from fuelline.protocol import DataError, RemoteError
+
+__all__ = [
+    "CurveKeys", "HandshakeWatch", "load_key_file", "check_key", "require_curve", "CURVE_REFUSED", "CURVE_MISMATCH",
+]
+
+log = logging.getLogger("fuelline.client")
+
+# RemoteError codes for refusals that happen in the ZeroMQ handshake, not in a fuelline Error.
+CURVE_REFUSED = "curve-refused"  # the server's authenticator refused this client's key
+CURVE_MISMATCH = "curve-mismatch"  # one side uses CURVE and the other does not
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def require_curve() -> None:
+    """Raises DataError where libzmq cannot do CURVE."""
+    if not zmq.has("curve"):
+        raise DataError(f"this libzmq ({zmq.zmq_version()}) was built without CURVE support; install pyzmq's wheel")
+
+
+def check_key(owner: str, name: str, value: object) -> None:
+    """Raises ValueError unless ``value`` is a CURVE key as Z85 text (40 bytes): what
+    ``load_certificate`` returns and what libzmq's options take."""
+    if not isinstance(value, bytes) or len(value) != 40:
+        # (never the value in the message: it may be a secret key)
+        size = f" of length {len(value)}" if isinstance(value, (bytes, str)) else ""
+        raise ValueError(f"{owner}.{name} must be a CURVE key as 40 bytes of Z85 text, got {type(value).__name__}{size}")
+    try:
+        z85.decode(value)
+    except Exception:
+        raise ValueError(f"{owner}.{name} is not Z85 text") from None
+
+
+def load_key_file(path: PathLike, *, secret: bool = False) -> tuple[bytes, bytes | None]:
+    """The (public, secret) keys of a ZeroMQ certificate file; secret is None in a public one.
+
+    Raises:
+        DataError: the file is missing or unreadable, holds no key, or (``secret=True``) no secret
+            key; the message names the file.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise DataError(f"CURVE key file {path} does not exist (`fuelline keygen` writes key files)")
+    try:
+        public, secret_key = zmq.auth.load_certificate(path)
+    except (OSError, ValueError, UnicodeError) as exc:
+        raise DataError(f"cannot read CURVE key file {path}: {exc}") from None
+    for name, key in (("public", public), ("secret", secret_key)):
+        if key is not None:
+            try:
+                check_key("key", name, key)
+            except ValueError:
+                raise DataError(f"CURVE key file {path}: its {name} key is not a 40-character Z85 key") from None
+    if secret:
+        if secret_key is None:
+            raise DataError(f"CURVE key file {path} holds no secret key (give the .key_secret file)")
+        mode = os.stat(path).st_mode & 0o777
+        if mode & 0o077:
+            log.warning("CURVE secret key %s can be read by others (mode %o); chmod 600 it", path, mode)
+    return public, secret_key
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A client's CURVE key pair and the public key of the server it trusts (Z85 text, 40 bytes).
+
+    Build one with ``CurveKeys.from_dir(DIR)``, or from keys held elsewhere (a secret store).
+    """
+
+    public_key: bytes
+    secret_key: bytes = field(repr=False)
+    server_key: bytes
+
+    def __post_init__(self) -> None:
+        for name in ("public_key", "secret_key", "server_key"):
+            check_key("CurveKeys", name, getattr(self, name))
+
+    @classmethod
+    def from_dir(cls, directory: PathLike, name: str = "client", server: str = "server") -> "CurveKeys":
+        """Reads ``DIR/client.key_secret`` (this client's pair) and ``DIR/server.key``.
+
+        Raises:
+            DataError: a file is missing or unreadable (the message names it).
+        """
+        require_curve()
+        directory = os.fspath(directory)
+        public, secret = load_key_file(os.path.join(directory, f"{name}.key_secret"), secret=True)
+        server_key, _ = load_key_file(os.path.join(directory, f"{server}.key"))
+        assert secret is not None  # load_key_file(secret=True) raised otherwise
+        return cls(public, secret, server_key)
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` a CURVE client; call before ``connect``."""
+        sock.curve_publickey = self.public_key
+        sock.curve_secretkey = self.secret_key
+        sock.curve_serverkey = self.server_key
+
+
+class HandshakeWatch:
+    """What the ZMTP handshakes of a connection's sockets said, read from socket monitors.
+
+    ``check()`` reads the events that arrived, without waiting, and returns the error to fail with
+    when the server refused this client for good; ``hint()`` says what the handshakes suggest, for
+    a client that gives up on a silent server. A monitor is a diagnostic: if one cannot be made,
+    the connection works as before and only waits for its timeout.
+    """
+
+    EVENTS = (
+        zmq.EVENT_CONNECTED
+        | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
+    MAX_EVENTS_PER_CHECK = 100  # bounded, so a flapping peer cannot hold the caller
+
+    def __init__(self, endpoint: str, curve: CurveKeys | None) -> None:
+        self.endpoint = endpoint
+        self.curve = curve
+        self.failures = 0  # failed handshakes since the last one that succeeded
+        self.last_failure = ""
+        self._state = "none"  # of the latest event: "none", "connected", "succeeded", "failed"
+        self._monitor: zmq.Socket | None = None
+        self._available = True
+
+    def attach(self, sock: zmq.Socket) -> None:
+        """Watch ``sock``; call before ``connect``."""
+        self.detach()
+        try:
+            # A fresh inproc address: pyzmq's default is named after the fd, which a closed
+            # socket's monitor may still hold.
+            self._monitor = sock.get_monitor_socket(self.EVENTS, addr=f"inproc://fuelline-monitor-{uuid.uuid4().hex}")
+        except (zmq.ZMQError, NotImplementedError) as exc:
+            log.debug("no handshake monitor for %s: %s", self.endpoint, exc)
+            self._monitor, self._available = None, False
+
+    def detach(self) -> None:
+        """Close the monitor (the watched socket may be open or closed already)."""
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+
+    def check(self) -> RemoteError | None:
+        if self._monitor is None:
+            return None
+        for _ in range(self.MAX_EVENTS_PER_CHECK):
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            except zmq.ZMQError as exc:
+                log.debug("handshake monitor for %s failed: %s", self.endpoint, exc)
+                self.detach()
+                return None
+            error = self._on_event(event["event"], event["value"])
+            if error is not None:
+                return error
+        return None
+
+    def _on_event(self, kind: int, value: int) -> RemoteError | None:
+        if kind == zmq.EVENT_CONNECTED:
+            self._state = "connected"
+        elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._state, self.failures, self.last_failure = "succeeded", 0, ""
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == 400:
+            # ZAP status 400: a definite no (300 would be a temporary failure, worth retrying).
+            if self.curve is not None:
+                key = self.curve.public_key.decode("ascii")
+                message = (
+                    f"the server refused this client's CURVE key {key}: put this client's public "
+                    "certificate (client.key) in the server's authorized/ directory and restart the server"
+                )
+            else:
+                message = "the server's authenticator refused this client (ZAP status 400)"
+            return RemoteError(CURVE_REFUSED, message, peer=self.endpoint)
+        elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            if self.curve is None:
+                message = (
+                    "the server requires CURVE authentication and this client has no keys: connect "
+                    "with curve_keys=DIR (client.key_secret and the server's server.key; see `fuelline keygen`)"
+                )
+            else:
+                message = "this client uses CURVE (curve_keys) and the server does not"
+            return RemoteError(CURVE_MISMATCH, message, peer=self.endpoint)
+        else:  # another failed handshake: maybe passing, so only remembered
+            self._state = "failed"
+            self.failures += 1
+            self.last_failure = _describe(kind, value)
+        return None
+
+    def hint(self) -> str:
+        """Why a server may stay silent, as far as the handshakes tell; "" when they do not."""
+        if self._state == "failed":
+            times = "once" if self.failures == 1 else f"{self.failures} times"
+            what = f"the handshake failed {times} (last: {self.last_failure})"
+        elif self._state == "connected":
+            what = "connected, but no handshake completed"
+        elif self._state == "none" and not self._available and self.curve is not None:
+            return "if it uses CURVE: is this client's key authorized there, and server.key its public key?"
+        else:
+            return ""
+        if self.curve is not None:
+            return (
+                f"{what}: the server may not use CURVE, its public key may not be this client's "
+                "server.key, or this client's CURVE key may not be authorized there"
+            )
+        return f"{what}: the server may require CURVE authentication (connect with curve_keys=DIR)"
+
+
+def _describe(kind: int, value: int) -> str:
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return f"authentication failed, ZAP status {value}"
+    if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        return f"protocol error {value:#x}"
+    return os.strerror(value) if 0 < value < 4096 else f"error {value:#x}"

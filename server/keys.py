@@ -1,0 +1,209 @@
+"""CURVE keys for the server: ``fuelline keygen DIR [--name NAME]`` and ``CurveConfig``.
+
+A server bound off loopback encrypts and authenticates with CurveZMQ. The files, all ZeroMQ
+certificates as pyzmq's ``zmq.auth.create_certificates`` writes them::
+
+    server side                              client side
+    KEYS/server.key_secret  (the pair)       CKEYS/client.key_secret  (the pair)
+    KEYS/server.key         ── copy ──▶      CKEYS/server.key
+    KEYS/authorized/alice.key  ◀── copy ──   CKEYS/client.key
+
+``fuelline serve DATASET --curve-keys KEYS`` accepts only clients whose public key is in
+``KEYS/authorized/``; ``ServerDataStream(..., curve_keys=CKEYS)`` connects with them. The server
+reads ``authorized/`` when it starts: restart it after adding or removing a client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from glob import glob
+from typing import Union
+
+import zmq
+import zmq.auth
+
+from fuelline.client.curve import check_key, load_key_file, require_curve
+from fuelline.protocol import DataError
+
+__all__ = ["CurveConfig", "keygen", "is_loopback", "register"]
+
+log = logging.getLogger("fuelline.server")
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server on this machine: 127.0.0.0/8, ::1 or localhost."""
+    host = host.strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a host name, "*" or an interface name: assume it is reachable
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
+@dataclass(frozen=True)
+class CurveConfig:
+    """A server's CURVE key pair (Z85 text) and the directory of the client keys it accepts."""
+
+    public_key: bytes
+    secret_key: bytes = field(repr=False)
+    authorized: str  # directory of client public certificates, one ``*.key`` per client
+
+    def __post_init__(self) -> None:
+        check_key("CurveConfig", "public_key", self.public_key)
+        check_key("CurveConfig", "secret_key", self.secret_key)
+        if not isinstance(self.authorized, str) or not self.authorized:
+            raise ValueError(f"CurveConfig.authorized must be a directory path, got {self.authorized!r}")
+
+    @classmethod
+    def from_dir(cls, directory: PathLike) -> "CurveConfig":
+        """Reads ``DIR/server.key_secret`` and checks ``DIR/authorized/``.
+
+        Raises:
+            DataError: a key file or the authorized directory is missing or unreadable; the
+                message names it.
+        """
+        require_curve()
+        directory = os.fspath(directory)
+        public, secret = load_key_file(os.path.join(directory, "server.key_secret"), secret=True)
+        assert secret is not None  # load_key_file(secret=True) raised otherwise
+        shared = os.path.join(directory, "server.key")
+        if os.path.exists(shared) and load_key_file(shared)[0] != public:
+            # Clients trust server.key: one that is not this pair's would lock them all out.
+            raise DataError(f"{shared} is not the public half of {directory}/server.key_secret")
+        config = cls(public, secret, os.path.join(directory, "authorized"))
+        config.client_keys()  # fail now, naming the file, rather than in the authenticator
+        return config
+
+    def client_keys(self) -> dict[bytes, str]:
+        """The authorized client public keys (Z85), each with the file it came from."""
+        if not os.path.isdir(self.authorized):
+            raise DataError(
+                f"CURVE: no directory {self.authorized}; create it and put there the public "
+                "certificate (.key file) of every client to accept"
+            )
+        keys = {load_key_file(path)[0]: path for path in sorted(glob(os.path.join(self.authorized, "*.key")))}
+        if not keys:
+            log.warning("CURVE: no client keys (*.key) in %s: every client will be refused", self.authorized)
+        return keys
+
+
+class _AuthorizedKeys:
+    """The authenticator's credentials provider: a fixed set of keys, refusals logged.
+
+    pyzmq's own ``configure_curve(location=...)`` logs a refusal only at DEBUG; an operator wants
+    to see the key that was refused, once (a refused client retries; a stranger may flood).
+    """
+
+    MAX_REMEMBERED = 256
+
+    def __init__(self, keys: dict[bytes, str], location: str) -> None:
+        self.keys = keys
+        self.location = location
+        self._refused: set[bytes] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key in self.keys:
+            return True
+        first = key not in self._refused and len(self._refused) < self.MAX_REMEMBERED
+        if first:
+            self._refused.add(key)
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "refused a client: its CURVE key %s is not in %s", key.decode("ascii", "replace"), self.location,
+        )
+        return False
+
+
+def start_authenticator(context: zmq.Context, curve: CurveConfig) -> "zmq.auth.thread.ThreadAuthenticator":
+    """Start ZAP authentication on ``context`` for sockets that are CURVE servers; stop() it
+    before the context is terminated."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    keys = curve.client_keys()
+    auth = ThreadAuthenticator(context, log=logging.getLogger("fuelline.server.auth"))
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=_AuthorizedKeys(keys, curve.authorized))
+    log.info("CURVE: %d authorized client keys in %s", len(keys), curve.authorized)
+    return auth
+
+
+def keygen(directory: PathLike, name: str = "server") -> tuple[str, str]:
+    """Write a new CURVE key pair: ``DIR/NAME.key`` (public) and ``DIR/NAME.key_secret`` (mode 600).
+
+    Raises:
+        FileExistsError: either file exists (keys are never overwritten).
+    """
+    require_curve()
+    directory = os.fspath(directory)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    targets = [os.path.join(directory, name + ext) for ext in (".key", ".key_secret")]
+    for path in targets:
+        if os.path.lexists(path):
+            raise _exists(path)
+    # Written in a private folder beside the targets, so the secret is never readable by others,
+    # then linked into place: a link fails rather than replace a file that appeared meanwhile.
+    scratch = tempfile.mkdtemp(prefix=".keygen-", dir=directory)
+    made: list[str] = []
+    try:
+        sources = zmq.auth.create_certificates(scratch, name)
+        os.chmod(sources[1], 0o600)
+        os.chmod(sources[0], 0o644)
+        for source, target in zip(sources, targets):
+            _place(source, target)
+            made.append(target)
+    except BaseException:
+        for path in made:
+            os.unlink(path)
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return targets[0], targets[1]
+
+
+def _exists(path: str) -> FileExistsError:
+    return FileExistsError(f"{path} exists; keygen never overwrites a key (remove it, or choose another --name)")
+
+
+def _place(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except FileExistsError:
+        raise _exists(target) from None
+    except OSError:  # a file system without hard links: check, then move (a narrow race)
+        if os.path.lexists(target):
+            raise _exists(target) from None
+        os.replace(source, target)
+
+
+def _key_name(text: str) -> str:
+    if not text or text.startswith(".") or os.sep in text or (os.altsep and os.altsep in text):
+        raise argparse.ArgumentTypeError(f"must be a plain file name, got {text!r}")
+    return text
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("keygen", help="write a CURVE key pair for a server or a client")
+    p.add_argument("dir", help="directory to write NAME.key (public) and NAME.key_secret (secret) in")
+    p.add_argument("--name", type=_key_name, default="server",
+                   help="server (default) for `serve --curve-keys DIR`; client for a client's DIR")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    public, secret = keygen(args.dir, args.name)
+    print(f"wrote {public} (public: share it) and {secret} (secret, mode 600: keep it here)")
+    if args.name == "server":
+        print(f"clients to accept: put their public .key files in {os.path.join(args.dir, 'authorized')}/")
+    return 0
