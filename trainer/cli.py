@@ -32,6 +32,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-log", default=None, help="per rank, append each step's sample_ids to FILE.rankR")
     p.add_argument("--hwm", type=int, default=10)
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to keep trying a silent data server")
+    p.add_argument("--curve-keys", default=None, metavar="DIR",
+                   help="connect with CURVE: DIR holds client.key_secret and the server's server.key")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--micro-batch", type=int, default=None, help="CUDA: skip the probe and use this micro-batch")
     args = p.parse_args(argv)
