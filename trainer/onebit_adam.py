@@ -192,29 +192,39 @@ class OneBitAdam(torch.optim.Optimizer):
                     )
         if not tracked:
             return
-        momenta = []
+        # What travels is the momentum divided by the frozen denominator (the same on every rank,
+        # so averaging it is averaging the momentum). A block's one scale then fits all of its
+        # elements: raw momenta of a parameter with a tiny variance sit in blocks scaled by
+        # larger neighbours, and dividing their sign·scale by that tiny variance blew them up.
+        momenta, denoms = [], []
         for group, p in tracked:
             beta1 = group["betas"][0]
             self.state[p]["step"] += 1
             exp_avg = self.state[p]["exp_avg"].mul_(beta1)
             if p.grad is not None:
                 exp_avg.add_(p.grad, alpha=1 - beta1)
-            momenta.append(exp_avg.reshape(-1))
+            denom = self._denom(group, p)
+            denoms.append(denom)
+            momenta.append((exp_avg / denom).reshape(-1))
         flat = torch.cat(momenta)
         onebit_allreduce(self.onebit_state, flat, key=_MOMENTUM_KEY).wait()
         offset = 0
-        for group, p in tracked:
+        for (group, p), denom in zip(tracked, denoms):
             exp_avg = self.state[p]["exp_avg"]
-            exp_avg.copy_(flat[offset : offset + exp_avg.numel()].view_as(exp_avg))
+            exp_avg.copy_(flat[offset : offset + exp_avg.numel()].view_as(exp_avg)).mul_(denom)
             offset += exp_avg.numel()
             self._update(group, p)
+
+    def _denom(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        bias_correction2 = 1 - group["betas"][1] ** state["variance_steps"]
+        return (state["exp_avg_sq"] / bias_correction2).sqrt_().add_(group["eps"])
 
     def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
         state = self.state[p]
         beta1, beta2 = group["betas"]
         bias_correction1 = 1 - beta1 ** state["step"]
-        bias_correction2 = 1 - beta2 ** state["variance_steps"]
-        denom = (state["exp_avg_sq"] / bias_correction2).sqrt_().add_(group["eps"])
+        denom = self._denom(group, p)
         if group["weight_decay"]:
             p.mul_(1 - group["lr"] * group["weight_decay"])
         p.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bias_correction1)
