@@ -82,6 +82,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR) -> dict[st
     env = environment()
     data = ensure_dataset(data_dir)
     results: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in CONFIGS}
+    failures: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="fuelline-bench-", dir=data_dir) as work, ExitStack() as stack:
         argv = [sys.executable, "-m", "fuelline.server.cli", "serve", str(data), "--port", "0", "--batch-size", "32"]
         server = stack.enter_context(ServerProcess("server", argv, Path(work) / "serve.log"))
@@ -90,12 +91,17 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR) -> dict[st
             for name, options in CONFIGS.items():
                 out = Path(work) / f"{i}-{name.replace(' ', '_').replace(',', '')}"
                 out.mkdir()
-                epochs = train_once(endpoint, options, out)
+                try:
+                    epochs = train_once(endpoint, options, out)
+                except RuntimeError as exc:  # a failed run is a finding: recorded, and the others go on
+                    failures.setdefault(name, []).append(str(exc)[-2000:])
+                    progress(f"round {i + 1}/{rounds} {name}: FAILED ({str(exc).splitlines()[-1][:200]})")
+                    continue
                 results[name].append(epochs)
                 e = epochs[-1]
                 progress(f"round {i + 1}/{rounds} {name}: acc {e['val_accuracy']:.3f}, macro-F1 {e['val_macro_f1']:.3f}, "
                          f"{e['grad_bytes_per_element']} B/elem, step {e['step_time_s'] * 1e3:.1f} ms")
-    summary = {name: summarise(runs) for name, runs in results.items()}
+    summary = {name: summarise(runs) for name, runs in results.items() if runs}
     rows = ["| configuration | bytes/element | of fp32 ring | step time (ms) | samples/s | final accuracy | final macro-F1 | fear recall |",
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     fmt = lambda v, f: "—" if v is None else f.format(v)  # noqa: E731
@@ -111,9 +117,10 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR) -> dict[st
         f"ring all-reduce's {FP32_RING:.1f} bytes at W = {WORLD}. Accuracy, macro-F1 and fear recall are of the fused "
         "head on the val split (whole recordings held out at convert time) after the last epoch.",
         f"- {env['date']}; {env['machine']['cpu_count']} CPUs; python {env['versions']['python']}.",
+        *(f"- {name}: {len(errs)} of {rounds} runs FAILED (see trainer.json)." for name, errs in failures.items()),
     ])
     record = {"benchmark": "trainer", **env, "configs": CONFIGS, "epochs": EPOCHS, "world_size": WORLD,
-              "summary": summary, "runs": results}
+              "summary": summary, "runs": results, "failures": failures}
     print(md, flush=True)
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "trainer.json").write_text(json.dumps(record, indent=1, default=str))

@@ -156,7 +156,7 @@ class Trainer:
         sums = self.epoch_sums
         sums["loss"] = sums.get("loss", 0.0) + float(total.detach()) * scale
         for m in self.heads:
-            sums[f"L_{m}"] = sums.get(f"L_{m}", 0.0) + float(losses[m]) * scale
+            sums[f"L_{m}"] = sums.get(f"L_{m}", 0.0) + float(losses[m].detach()) * scale
 
     def _probe_micro_batch(self, batch: dict[str, torch.Tensor]) -> None:
         """CUDA: the largest micro-batch that fits, the same on every rank (the smallest found)."""
