@@ -23,6 +23,37 @@ READY = re.compile(r"serving on (tcp://\S+):(\d+)")
 START_DEADLINE = 30.0
 
 
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process (VmRSS), in MB."""
+    with open(f"/proc/{pid}/status") as f:
+        match = re.search(r"VmRSS:\s+(\d+) kB", f.read())
+    assert match, f"no VmRSS for pid {pid}"
+    return int(match.group(1)) / 1024
+
+
+class RssSampler(threading.Thread):
+    """Samples a process's VmRSS every 20 ms, so a spike between two checks is seen too."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(name="rss-sampler", daemon=True)
+        self.pid = pid
+        self.baseline = self.peak = rss_mb(pid)
+        self._stop_event = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.02):
+            try:
+                self.peak = max(self.peak, rss_mb(self.pid))
+            except (OSError, AssertionError):
+                return  # the process is gone; the test says so on its own
+
+    def stop(self) -> float:
+        self._stop_event.set()
+        self.join(5.0)
+        return self.peak
+
+
 def wait_until(predicate, timeout: float, what: str) -> float:
     """Wait for a condition another thread or process brings about; returns the seconds waited."""
     start = time.monotonic()

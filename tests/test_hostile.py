@@ -42,17 +42,11 @@ from fuelline.protocol import (
 )
 from fuelline.server.parquet_source import ParquetSource
 
+from conftest import RssSampler, rss_mb
+
 ROWS = 8000  # train rows of the sample_dataset fixture, sample_id 0..7999
 REPLY_WAIT = 10.0  # seconds a hostile peer waits for its answer from a busy server on 2 cores
 MAX_INBOUND_BYTES = 1 << 20  # the server's ZMQ_MAXMSGSIZE: libzmq disconnects a peer over it
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process (VmRSS), in MB."""
-    with open(f"/proc/{pid}/status") as f:
-        match = re.search(r"VmRSS:\s+(\d+) kB", f.read())
-    assert match, f"no VmRSS for pid {pid}"
-    return int(match.group(1)) / 1024
 
 
 def thread_count(pid: int) -> int:
@@ -60,27 +54,6 @@ def thread_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
 
-class RssSampler(threading.Thread):
-    """Samples a process's VmRSS every 20 ms, so a spike between two checks is seen too."""
-
-    def __init__(self, pid: int) -> None:
-        super().__init__(name="rss-sampler", daemon=True)
-        self.pid = pid
-        self.baseline = self.peak = rss_mb(pid)
-        self._stop_event = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        while not self._stop_event.wait(0.02):
-            try:
-                self.peak = max(self.peak, rss_mb(self.pid))
-            except (OSError, AssertionError):
-                return  # the process is gone; the test says so on its own
-
-    def stop(self) -> float:
-        self._stop_event.set()
-        self.join(5.0)
-        return self.peak
 
 
 def frames_of(msg: Any) -> list[bytes]:

@@ -7,7 +7,6 @@ Run with ``pytest -s`` to see the per-client throughput spread; speed is reporte
 
 from __future__ import annotations
 
-import re
 import statistics
 import threading
 import time
@@ -21,6 +20,8 @@ from fuelline.client import ServerDataStream
 from fuelline.server.parquet_source import ParquetSource
 from fuelline.server.sample import expected_features
 
+from conftest import RssSampler
+
 WORLD = 16
 BATCH = 64
 HWM = 4
@@ -29,35 +30,6 @@ DIM = 8  # its features per row
 ROW_BYTES = 8 + 4 * DIM + 8 + 4  # sample_id int64, features float32[8], label int64, weight float32
 
 
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process (VmRSS), in MB."""
-    with open(f"/proc/{pid}/status") as f:
-        match = re.search(r"VmRSS:\s+(\d+) kB", f.read())
-    assert match, f"no VmRSS for pid {pid}"
-    return int(match.group(1)) / 2**10
-
-
-class RssSampler(threading.Thread):
-    """Samples a process's VmRSS every 20 ms, so a spike between two checks is seen too."""
-
-    def __init__(self, pid: int) -> None:
-        super().__init__(name="rss-sampler", daemon=True)
-        self.pid = pid
-        self.baseline = self.peak = rss_mb(pid)
-        self._stop_event = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        while not self._stop_event.wait(0.02):
-            try:
-                self.peak = max(self.peak, rss_mb(self.pid))
-            except (OSError, AssertionError):
-                return  # the process is gone; the test says so on its own
-
-    def stop(self) -> float:
-        self._stop_event.set()
-        self.join(5.0)
-        return self.peak
 
 
 class RankReader(threading.Thread):

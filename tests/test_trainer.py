@@ -27,10 +27,18 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "data"
 
 
+# On a loaded 2-core machine a rank has been seen to abort at start-up inside torch's C++
+# ("terminate called without an active exception", SIGABRT) before it trained a step; not
+# reproduced in isolation. Such a launch is retried once; any other failure fails the test.
+ABORT = "terminate called without an active exception"
+
+
 def torchrun(endpoint: str, *options: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             "-m", "fuelline.trainer", "--servers", endpoint, "--width", "8", *options]
     result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    if result.returncode != 0 and ABORT in result.stderr and "--resume" not in options and "step" not in result.stdout:
+        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 
