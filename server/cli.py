@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True, help="xxh3 checksum per array")
     serve.add_argument("--curve-keys", metavar="DIR",
                        help="encrypt with CURVE and accept only the client keys in DIR/authorized/ (fuelline keygen)")
+    serve.add_argument("--status-interval", type=float, default=10.0,
+                       help="seconds between status lines in the log (clients, batches/s, MB/s); 0 for none")
     serve.add_argument("--on-bad-shard", choices=["fail", "skip"], default="fail",
                        help="a shard that cannot be read: stop with its name (fail), or leave it out, "
                             "count it and tell the clients (skip)")
@@ -138,8 +140,10 @@ def _serve(args: argparse.Namespace) -> int:
             split, info["rows"], _describe(info), source.batches_per_epoch(split, 0, 1),
             args.batch_size, source.memory_per_client(split) / 1e6,
         )
+    if args.status_interval < 0:
+        raise DataError(f"--status-interval must be >= 0 seconds, got {args.status_interval}")
     server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum,
-                    curve=curve)
+                    curve=curve, status_interval=args.status_interval)
     try:
         server.bind()
     except Exception as exc:

@@ -75,6 +75,7 @@ class Server:
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
         curve: CurveConfig | None = None,
+        status_interval: float = 0.0,
     ) -> None:
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
@@ -103,7 +104,10 @@ class Server:
         self._pipe_closed = False
         self._wake_pending = False
         self._thread: threading.Thread | None = None
-        self.stats = {"malformed": 0, "dropped_silent": 0, "sessions": 0}
+        self.stats = {"malformed": 0, "dropped_silent": 0, "sessions": 0, "batches": 0, "bytes": 0}
+        self.status_interval = status_interval  # seconds between status lines in the log; 0: none
+        self._status_at = time.monotonic() + status_interval
+        self._status_base = (0, 0, time.monotonic())
 
     # -- lifecycle -----------------------------------------------------------------------------
     def bind(self) -> str:
@@ -322,11 +326,28 @@ class Server:
             session.start()
 
     def _flush(self, session: Session) -> None:
-        for _, frames in session.take_sendable():
+        for kind, frames in session.take_sendable():
             if not self._send(session.routing_id, frames):
                 return
+            if kind == "batch":
+                self.stats["batches"] += 1
+                self.stats["bytes"] += sum(memoryview(f).nbytes for f in frames[1:])
+
+    def _status(self, now: float) -> None:
+        """One readable line per interval: what an operator looks at first."""
+        batches, nbytes, since = self._status_base
+        dt = max(now - since, 1e-9)
+        queued = sum(s.queued for s in self.sessions.values())
+        log.info(
+            "%d clients; %.1f batches/s, %.1f MB/s; %d batches prepared and waiting for credit",
+            len(self.sessions), (self.stats["batches"] - batches) / dt, (self.stats["bytes"] - nbytes) / dt / 1e6, queued,
+        )
+        self._status_base = (self.stats["batches"], self.stats["bytes"], now)
+        self._status_at = now + self.status_interval
 
     def _keepalive(self, now: float) -> None:
+        if self.status_interval and now >= self._status_at:
+            self._status(now)
         for session in list(self.sessions.values()):
             if now - session.last_heard > 3 * session.client_heartbeat:
                 self.stats["dropped_silent"] += 1

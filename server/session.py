@@ -63,6 +63,11 @@ class Session:
     def client_heartbeat(self) -> float:
         return self.hello.heartbeat
 
+    @property
+    def queued(self) -> int:
+        """Items prepared and not yet sent (waiting for the client's credit)."""
+        return len(self._ready)
+
     def start(self) -> None:
         self._thread.start()
 

@@ -118,3 +118,13 @@ def test_garbage_does_not_take_the_server_down(server, zmq_context: zmq.Context)
     client.send(Hello("after-garbage", credit=2, heartbeat=0.2))
     assert client.recv().TYPE == "welcome"
     assert isinstance(client.recv(), Batch)
+
+
+def test_the_server_logs_a_status_line_per_interval(sample_dataset: Path, start_serve) -> None:
+    from fuelline.client import ServerDataStream
+
+    server = start_serve(sample_dataset, "--batch-size", "100", "--status-interval", "0.2")
+    with ServerDataStream(("sample_id",), endpoints=[server.endpoint], timeout=10) as s:
+        assert len(list(s.get_epoch_iterator())) == 80
+        # (wait_log fails the test if no such line appears: a client, and batches flowing.)
+        server.wait_log(r"1 clients; [1-9][\d.]* batches/s, [\d.]+ MB/s; \d+ batches prepared", timeout=5)

@@ -92,6 +92,19 @@ def test_header_not_a_map(value):
     expect(ProtocolError, [msgpack.packb(value, use_bin_type=True)])
 
 
+def test_deeply_nested_header_is_refused_before_anything_recurses_into_it():
+    # 1000 levels fit msgpack's own limit and 2 KB, but repr() of it would blow Python's stack.
+    nested: object = 0
+    for _ in range(1000):
+        nested = [nested]
+    err = expect(ProtocolError, edited(frames_of(Hello("deep")), pad=nested))
+    assert "nested deeper than" in str(err)
+    shallow: object = 0
+    for _ in range(10):
+        shallow = [shallow]
+    assert decode(edited(frames_of(Hello("ok")), pad=shallow)) == Hello("ok")  # unknown keys are ignored
+
+
 def test_header_size_limit_is_exact():
     frames = frames_of(Hello("c" * 100))
     size = len(frames[0])

@@ -12,7 +12,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from fuelline.client import ServerDataStream
-from fuelline.protocol import RemoteError
 from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.manifest import EMOTIONS, MODALITIES, Manifest
 from fuelline.server.ingest.synth import synthesize
