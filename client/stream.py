@@ -278,10 +278,8 @@ class ServerDataStream:
             import torch
 
             arrays = {k: torch.from_numpy(v) for k, v in arrays.items()}
-        names = self.sources
-        if as_dict:
-            return {k: arrays[k] for k in names}
-        return tuple(arrays[k] for k in names)
+        # The server sends a batch's arrays in the order of this client's sources (its Welcome).
+        return dict(arrays) if as_dict else tuple(arrays.values())
 
     def _iterate(self, token: object, as_dict: bool) -> Iterator[Any]:
         while self._current is token:  # an iterator replaced by a newer one stops

@@ -8,13 +8,14 @@ to decode one unit into column arrays.
 
 from __future__ import annotations
 
+import abc
 import functools
 import logging
 import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -34,9 +35,13 @@ class Column(Protocol):
     shape: tuple[int, ...]
 
 
-class UnitSource:
+class UnitSource(abc.ABC):
     """Base of sources whose data comes in units; subclasses implement ``unit_rows``,
-    ``column_specs`` and ``decode_unit``, and may override ``finish_batch``."""
+    ``column_specs`` and ``decode_unit``, may override ``finish_batch``, and fill ``_columns``
+    (name -> column with ``to_schema()``, in serving order) and ``_splits`` (name -> split)."""
+
+    _columns: Mapping[str, Any]
+    _splits: Mapping[str, Any]
 
     def __init__(self, *, batch_size: int, seed: int, shuffle: bool, block_units: int, on_bad_shard: str = "fail") -> None:
         if on_bad_shard not in ("fail", "skip"):
@@ -55,14 +60,17 @@ class UnitSource:
         self._pool_lock = threading.Lock()
 
     # -- what a subclass supplies ---------------------------------------------------------------
+    @abc.abstractmethod
     def unit_rows(self, split: str) -> np.ndarray:
-        raise NotImplementedError
+        """Rows per unit of a split, in storage order."""
 
+    @abc.abstractmethod
     def column_specs(self, sources: tuple[str, ...]) -> Sequence[Column]:
-        raise NotImplementedError
+        """The columns a reader must decode to serve ``sources``."""
 
+    @abc.abstractmethod
     def decode_unit(self, split: str, u: int, columns: Sequence[Column]) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+        """Unit ``u`` of a split as one array per column; DataError naming the file if it fails."""
 
     def finish_batch(self, split: str, batch: dict[str, np.ndarray], sources: tuple[str, ...]) -> dict[str, np.ndarray]:
         """Last touches on a gathered batch (preprocessing stages), keeping ``sources``; the
@@ -70,6 +78,20 @@ class UnitSource:
         return batch
 
     # -- shared ----------------------------------------------------------------------------------
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(self._columns)
+
+    @property
+    def splits(self) -> tuple[str, ...]:
+        return tuple(self._splits)
+
+    def schema(self) -> Mapping[str, Mapping[str, Any]]:
+        return {name: column.to_schema() for name, column in self._columns.items()}
+
+    def why_not_servable(self, name: str) -> str | None:
+        return None
+
     def rows(self, split: str) -> int:
         return int(self.unit_rows(split).sum())
 

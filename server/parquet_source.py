@@ -174,17 +174,6 @@ class ParquetSource(UnitSource):
             raise DataError(f"shard {file}: lacks column(s) {missing} that earlier shards have")
 
     # -- BatchSource -------------------------------------------------------------------------
-    @property
-    def sources(self) -> tuple[str, ...]:
-        return tuple(self._columns)
-
-    @property
-    def splits(self) -> tuple[str, ...]:
-        return tuple(self._splits)
-
-    def schema(self) -> Mapping[str, Mapping[str, Any]]:
-        return {name: spec.to_schema() for name, spec in self._columns.items()}
-
     def why_not_servable(self, name: str) -> str | None:
         return self.unservable.get(name)
 

@@ -202,20 +202,6 @@ class WindowSource(UnitSource):
         return {k: out[k] for k in sources}
 
     # -- BatchSource -----------------------------------------------------------------------------
-    @property
-    def sources(self) -> tuple[str, ...]:
-        return tuple(self._columns)
-
-    @property
-    def splits(self) -> tuple[str, ...]:
-        return tuple(self._splits)
-
-    def schema(self) -> Mapping[str, Mapping[str, Any]]:
-        return {k: c.to_schema() for k, c in self._columns.items()}
-
-    def why_not_servable(self, name: str) -> str | None:
-        return None
-
     def dropped(self, split: str) -> dict[str, int]:
         """Invalid windows of a split, by reason."""
         counts: Counter[str] = Counter()
