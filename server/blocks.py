@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
@@ -43,19 +43,31 @@ class UnitSource(abc.ABC):
     _columns: Mapping[str, Any]
     _splits: Mapping[str, Any]
 
-    def __init__(self, *, batch_size: int, seed: int, shuffle: bool, block_units: int, on_bad_shard: str = "fail") -> None:
+    def __init__(
+        self, *, batch_size: int, seed: int, shuffle: bool, block_units: int, on_bad_shard: str = "fail",
+        workers: int = 0, prefetch: int = 0,
+    ) -> None:
         if on_bad_shard not in ("fail", "skip"):
             raise DataError(f"--on-bad-shard must be fail or skip, got {on_bad_shard!r}")
         if batch_size < 1:
             raise DataError(f"--batch-size must be >= 1, got {batch_size}")
         if block_units < 1:
             raise DataError(f"--shuffle-block must be >= 1, got {block_units}")
+        if workers < 0:
+            raise DataError(f"--workers must be >= 0, got {workers}")
+        if prefetch < 0:
+            raise DataError(f"--prefetch must be >= 0, got {prefetch}")
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
         self.block_units = block_units
         self.on_bad_shard = on_bad_shard
+        self.workers = workers  # processes that decode units; 0: threads of this process
+        self.prefetch = prefetch  # blocks ahead whose shards are fetched into the local cache
         self.skipped: list[dict[str, str]] = []  # shards left out at start-up (skip mode)
+        # Event counts for the server's metrics (cache hits and misses per tier, worker restarts...);
+        # worker processes count in their own copy and send the increments back with each result.
+        self.counters: Counter[str] = Counter()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
 
@@ -71,6 +83,10 @@ class UnitSource(abc.ABC):
     @abc.abstractmethod
     def decode_unit(self, split: str, u: int, columns: Sequence[Column]) -> dict[str, np.ndarray]:
         """Unit ``u`` of a split as one array per column; DataError naming the file if it fails."""
+
+    def prefetch_units(self, split: str, units: Sequence[int]) -> None:
+        """Start fetching what decoding ``units`` will need (remote shards into the local cache)
+        in the background; the default has nothing to fetch."""
 
     def finish_batch(self, split: str, batch: dict[str, np.ndarray], sources: tuple[str, ...]) -> dict[str, np.ndarray]:
         """Last touches on a gathered batch (preprocessing stages), keeping ``sources``; the

@@ -29,6 +29,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not 0 < value <= 3600:
@@ -59,6 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--on-bad-shard", choices=["fail", "skip"], default="fail",
                        help="a shard that cannot be read: stop with its name (fail), or leave it out, "
                             "count it and tell the clients (skip)")
+    serve.add_argument("--workers", type=_non_negative_int, default=0,
+                       help="processes that load, align and preprocess in parallel; 0 does it on threads of "
+                            "the serving process. The batches are the same for any number")
+    serve.add_argument("--memory-cache", type=_non_negative_int, default=10, metavar="K",
+                       help="the last K prepared batches kept per client, so a reconnect resumes without "
+                            "recomputing them; 0 for none")
+    storage = serve.add_argument_group("remote datasets (DATASET as s3://bucket/prefix, file://...)")
+    storage.add_argument("--cache-dir", metavar="DIR", default=None,
+                         help="local copies of remote shards (default: $XDG_CACHE_HOME/fuelline or ~/.cache/fuelline)")
+    storage.add_argument("--cache-mb", type=_positive_int, default=10240,
+                         help="most megabytes of shards kept in --cache-dir; the least recently used go first")
+    storage.add_argument("--prefetch", type=_non_negative_int, default=1, metavar="BLOCKS",
+                         help="blocks ahead of the one being read whose shards are fetched in the background")
     multimodal = serve.add_argument_group("converted multimodal datasets (fuelline convert)")
     multimodal.add_argument("--window", type=float, default=2.0, help="window length in seconds")
     multimodal.add_argument("--hop", type=float, default=1.0, help="seconds between window starts")
@@ -104,7 +124,8 @@ def _open_source(args: argparse.Namespace):
     from fuelline.server.parquet_source import ParquetSource
 
     common = dict(batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block,
-                  on_bad_shard=args.on_bad_shard)
+                  on_bad_shard=args.on_bad_shard, workers=args.workers, prefetch=args.prefetch,
+                  cache_dir=args.cache_dir, cache_mb=args.cache_mb)
     if is_converted_dataset(args.dataset):
         from fuelline.server.windows.source import WindowSource
         from fuelline.server.windows.stages import load_stage

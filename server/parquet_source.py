@@ -91,9 +91,13 @@ class ParquetSource(UnitSource):
     def __init__(
         self, path: str, *, batch_size: int = 64, seed: int = 0, shuffle: bool = True, block_units: int = 8,
         on_bad_shard: str = "fail",
+        workers: int = 0,
+        prefetch: int = 0,
+        cache_dir: str | None = None,
+        cache_mb: int = 10240,
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units,
-                         on_bad_shard=on_bad_shard)
+                         on_bad_shard=on_bad_shard, workers=workers, prefetch=prefetch)
         self.path = path
         self._columns: dict[str, ColumnSpec] = {}
         self.unservable: dict[str, str] = {}

@@ -78,9 +78,13 @@ class WindowSource(UnitSource):
         shuffle: bool = True,
         block_units: int = 8,
         on_bad_shard: str = "fail",
+        workers: int = 0,
+        prefetch: int = 0,
+        cache_dir: str | None = None,
+        cache_mb: int = 10240,
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units,
-                         on_bad_shard=on_bad_shard)
+                         on_bad_shard=on_bad_shard, workers=workers, prefetch=prefetch)
         if normalize not in ("zscore", "none"):
             raise DataError(f"--normalize must be zscore or none, got {normalize!r}")
         try:
