@@ -11,11 +11,19 @@ import zmq
 
 from fuelline.client.connection import Connection, Item
 from fuelline.client.curve import CurveKeys
-from fuelline.protocol import DEFAULT_LIMITS, Hello, Limits, ReceiveTimeout
+from fuelline.protocol import DEFAULT_LIMITS, DataError, Hello, Limits, ProtocolError, ReceiveTimeout
 
 __all__ = ["ServerDataStream"]
 
 STATE_FORMAT = 1
+
+
+def _tcp_endpoint(text: str) -> str:
+    host, _, port = text.strip().rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"endpoint {text!r} is not HOST:PORT")
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -43,7 +51,11 @@ class ServerDataStream:
         rank, world_size: this reader's share of each epoch; default torchrun's RANK / WORLD_SIZE,
             else 0 / 1.
         split: which split of the dataset to read ("train", "val"...).
-        endpoints: ``["host:port"]``, in place of host and port.
+        endpoints: ``["hostA:5557", "hostB:5557"]`` (or one comma-separated string), in place of
+            host and port: read from several servers at once. Started with the same dataset and
+            options, each serves a disjoint part of this reader's share; batch k of an epoch
+            comes from server k mod E, so the order is deterministic, and each server's connection
+            reconnects and resumes on its own. ``hwm`` is shared among them.
         timeout: seconds to keep trying to reach a silent or absent server before raising
             ``ServerUnavailable``.
         heartbeat: seconds of idleness after which this client tells the server it is alive.
@@ -93,19 +105,16 @@ class ServerDataStream:
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
-        if endpoints is not None:
-            if isinstance(endpoints, str):
-                endpoints = [e for e in endpoints.split(",") if e]
-            if len(endpoints) != 1:
-                raise NotImplementedError(
-                    f"reading from {len(endpoints)} servers at once is not supported yet; give one endpoint"
-                )
-            host, _, port_s = endpoints[0].rpartition(":")
-            if not host or not port_s.isdigit():
-                raise ValueError(f"endpoint {endpoints[0]!r} is not HOST:PORT")
-            port = int(port_s)
-        host = host.strip("[]")
-        self.endpoint = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+        if endpoints is None:
+            endpoints = [f"[{host}]:{port}" if ":" in host.strip("[]") else f"{host}:{port}"]
+        elif isinstance(endpoints, str):
+            endpoints = [e for e in endpoints.split(",") if e]
+        if not endpoints:
+            raise ValueError("endpoints must name at least one HOST:PORT")
+        self.endpoints = tuple(_tcp_endpoint(e) for e in endpoints)
+        if len(set(self.endpoints)) != len(self.endpoints):
+            raise ValueError(f"endpoints {list(endpoints)} name a server twice")
+        self.endpoint = self.endpoints[0]
         self.split = split
         self.hwm = hwm
         self.timeout = timeout
@@ -113,20 +122,29 @@ class ServerDataStream:
         self.receive_timeout = receive_timeout
         self.tensors = tensors
         self._requested = tuple(sources) if sources is not None else None
-        self._hello = Hello(
-            client_id=client_id or uuid.uuid4().hex,
-            rank=self.rank,
-            world_size=self.world_size,
-            split=split,
-            sources=self._requested,
-            heartbeat=heartbeat,
-        )
+        # Reading E servers, this reader is E ranks of a world E times as large, one per server:
+        # rank r reads ranks r·E … r·E+E-1, the same contiguous span of each epoch a single server
+        # would give it, and takes their batches in turn (see ``_take``).
+        client_id = client_id or uuid.uuid4().hex
+        n = len(self.endpoints)
+        self._hellos = [
+            Hello(
+                client_id=client_id if n == 1 else f"{client_id}/{e}",
+                rank=self.rank * n + e,
+                world_size=self.world_size * n,
+                split=split,
+                sources=self._requested,
+                heartbeat=heartbeat,
+            )
+            for e in range(n)
+        ]
         self._verify = verify
         self._limits = limits
         self._context = context
         # Loaded now, so a missing key file fails here rather than at the first batch.
         self._curve = curve_keys if isinstance(curve_keys, CurveKeys) or curve_keys is None else CurveKeys.from_dir(curve_keys)
-        self._conn: Connection | None = None
+        self._conns: list[Connection] = []
+        self._checked = False  # the servers' welcomes were compared
         self._stream = 0  # the stream the connection is reading; changes on every seek
         self._pos: tuple = (0, 0, ())  # (epoch, batch, history) of the next item the connection hands over
         self._history: tuple = ()  # segments of self._epoch run at other world sizes (resume)
@@ -158,12 +176,18 @@ class ServerDataStream:
 
     @property
     def data_losses(self) -> list[str]:
-        """What the server could not read and left out (``--on-bad-shard skip``), in its words."""
-        return list(self._conn.data_losses) if self._conn is not None else []
+        """What the servers could not read and left out (``--on-bad-shard skip``), in their words."""
+        return [loss for conn in self._conns for loss in conn.data_losses]
+
+    @property
+    def reconnects(self) -> int:
+        """How many times the connections to the servers were re-established."""
+        return sum(conn.reconnects for conn in self._conns)
 
     @property
     def batches_per_epoch(self) -> int | None:
-        return self._welcome().batches_per_epoch
+        per_server = self._welcome().batches_per_epoch
+        return None if per_server is None else per_server * len(self.endpoints)
 
     def get_epoch_iterator(self, as_dict: bool = False) -> Iterator[Any]:
         """The next epoch's batches (the rest of an interrupted epoch after ``load_state_dict``)."""
@@ -191,6 +215,7 @@ class ServerDataStream:
             "cursor": self._cursor,
             "rank": self.rank,
             "world_size": self.world_size,
+            "servers": len(self.endpoints),
             "split": self.split,
             "history": [list(h) for h in self._history],
         }
@@ -198,10 +223,11 @@ class ServerDataStream:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a ``state_dict()``: the next epoch iterator resumes at its position.
 
-        The state may come from another world size (a job of 4 ranks resumed on 2): ranks read
-        in lockstep, so every rank's state holds the same position, and the rest of the
-        interrupted epoch is shared out afresh among the new ranks, none lost or repeated. The
-        server must serve a unit-based source (Parquet or converted multimodal data) for that.
+        The state may come from another world size (a job of 4 ranks resumed on 2) or another
+        number of servers: ranks read in lockstep, so every rank's state holds the same position,
+        and the rest of the interrupted epoch is shared out afresh among the new ranks, none lost
+        or repeated. The servers must serve a unit-based source (Parquet or converted multimodal
+        data) for that.
         """
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"state format {state.get('format')!r} is not {STATE_FORMAT}")
@@ -210,20 +236,25 @@ class ServerDataStream:
         epoch, cursor = state["epoch"], state["cursor"]
         if type(epoch) is not int or type(cursor) is not int or epoch < 0 or cursor < 0:
             raise ValueError(f"state has an invalid position epoch={epoch!r} cursor={cursor!r}")
-        history = tuple((int(w), int(c)) for w, c in state.get("history", ()))
-        if state["world_size"] != self.world_size:
-            history, cursor = history + ((int(state["world_size"]), cursor),), 0
+        history = tuple(tuple(int(x) for x in h) for h in state.get("history", ()))
+        servers = int(state.get("servers", 1))
+        if state["world_size"] != self.world_size or servers != len(self.endpoints):
+            # The segment just run, as its servers saw it: each of the ``servers`` ranks per reader
+            # took cursor // servers batches, the first cursor % servers of them one more.
+            world = int(state["world_size"]) * servers
+            segment = (world, cursor // servers) if servers == 1 else (world, cursor // servers, servers, cursor % servers)
+            history, cursor = history + (segment,), 0
         elif state["rank"] != self.rank:
             raise ValueError(f"state was saved by rank {state['rank']}, this stream is rank {self.rank}")
         self._epoch, self._cursor, self._history, self._active = epoch, cursor, history, None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Tell the server goodbye and free the socket and thread."""
+        """Tell the servers goodbye and free the sockets and threads."""
         self._closed = True
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        for conn in self._conns:
+            conn.close()
+        self._conns = []
 
     def __enter__(self) -> "ServerDataStream":
         return self
@@ -232,46 +263,95 @@ class ServerDataStream:
         self.close()
 
     # -- internals -------------------------------------------------------------------------------
-    def _connection(self) -> Connection:
-        if self._conn is None:
-            self._conn = Connection(
-                self.endpoint,
-                self._hello,
-                hwm=self.hwm,
-                heartbeat=self.heartbeat,
-                timeout=self.timeout,
-                verify=self._verify,
-                limits=self._limits,
-                context=self._context,
-                curve=self._curve,
-            )
-            self._conn.start(self._stream, self._epoch, self._cursor, self._history)
+    def _share(self, cursor: int, e: int) -> int:
+        """Batches of server ``e`` among the first ``cursor`` this reader takes (in turn)."""
+        n = len(self.endpoints)
+        return cursor // n + (e < cursor % n)
+
+    def _connections(self) -> list[Connection]:
+        if not self._conns:
+            n = len(self.endpoints)
+            hwm = -(-self.hwm // n)  # the reader's prefetch, shared among its servers
+            self._conns = [
+                Connection(
+                    endpoint, hello, hwm=hwm, heartbeat=self.heartbeat, timeout=self.timeout, verify=self._verify,
+                    limits=self._limits, context=self._context, curve=self._curve,
+                )
+                for endpoint, hello in zip(self.endpoints, self._hellos)
+            ]
+            for e, conn in enumerate(self._conns):
+                conn.start(self._stream, self._epoch, self._share(self._cursor, e), self._history)
             self._pos = (self._epoch, self._cursor, self._history)
-        return self._conn
+        return self._conns
 
     def _position_at(self, epoch: int, cursor: int) -> None:
-        conn = self._connection()
+        conns = self._connections()
         # The same batch numbers mean other batches under another history: compare both.
         if self._pos != (epoch, cursor, self._history):
             self._stream += 1
-            conn.seek(self._stream, epoch, cursor, self._history)
+            for e, conn in enumerate(conns):
+                conn.seek(self._stream, epoch, self._share(cursor, e), self._history)
             self._pos = (epoch, cursor, self._history)
 
     def _welcome(self) -> Any:
-        return self._connection().wait_welcome(self.timeout)
+        conns = self._connections()
+        welcomes = [conn.wait_welcome(self.timeout) for conn in conns]
+        if not self._checked:
+            self._check_agreement(welcomes)
+            self._checked = True
+        return welcomes[0]
 
-    def _take(self) -> Item:
-        conn = self._connection()
+    def _check_agreement(self, welcomes: list[Any]) -> None:
+        """Servers read together must serve the same data the same way, or the shares they
+        serve would not fit together: same sources, batch counts, order and dataset facts."""
+        first = welcomes[0]
+        keys = [k for k in first.info if k not in ("skipped_shards", "skipped_recordings")]
+        for endpoint, w in zip(self.endpoints[1:], welcomes[1:]):
+            mine = {"sources": w.sources, "schema": w.schema, "batches_per_epoch": w.batches_per_epoch,
+                    **{k: w.info.get(k) for k in keys}}
+            theirs = {"sources": first.sources, "schema": first.schema, "batches_per_epoch": first.batches_per_epoch,
+                      **{k: first.info.get(k) for k in keys}}
+            for key in mine:
+                if mine[key] != theirs[key]:
+                    raise DataError(
+                        f"servers {self.endpoints[0]} and {endpoint} serve different data: {key} is "
+                        f"{theirs[key]!r:.200} there and {mine[key]!r:.200} here; start every server of a "
+                        "reader with the same dataset and options"
+                    )
+
+    def _next(self, conn: Connection) -> Item:
         started = time.monotonic()
         while True:
             item = conn.take(0.25)
             if item is None:
                 if self.receive_timeout is not None and time.monotonic() - started > self.receive_timeout:
-                    raise ReceiveTimeout(f"no batch from {self.endpoint} in {self.receive_timeout:.1f}s")
+                    raise ReceiveTimeout(f"no batch from {conn.endpoint} in {self.receive_timeout:.1f}s")
                 continue
             if item.stream == self._stream:
                 return item
             # An item of a stream left behind by a seek: drop it.
+
+    def _take(self) -> tuple[Connection, Item]:
+        """The next item: batch k of an epoch comes from server k mod E, so the order is fixed
+        whichever server is faster. An epoch ends when every server has ended it, together."""
+        conns = self._connections()
+        if len(conns) > 1 and not self._checked:
+            self._welcome()
+        turn = self._cursor % len(conns)
+        conn = conns[turn]
+        item = self._next(conn)
+        if item.kind == "end" and len(conns) > 1:
+            for e, other in enumerate(conns):
+                if e == turn:
+                    continue
+                theirs = self._next(other)
+                if turn != 0 or theirs.kind != "end" or theirs.epoch != item.epoch:
+                    raise ProtocolError(
+                        f"servers {list(self.endpoints)} disagree on where epoch {item.epoch} ends: "
+                        f"{conn.endpoint} ended it after {item.seq} batches, {other.endpoint} sent "
+                        f"{'its end' if theirs.kind == 'end' else 'batch %d' % theirs.seq} next"
+                    )
+        return conn, item
 
     def _convert(self, arrays: dict, as_dict: bool) -> Any:
         if self.tensors:
@@ -283,17 +363,16 @@ class ServerDataStream:
 
     def _iterate(self, token: object, as_dict: bool) -> Iterator[Any]:
         while self._current is token:  # an iterator replaced by a newer one stops
-            item = self._take()
-            conn = self._conn
-            assert conn is not None
+            conn, item = self._take()
             if item.kind == "end":
                 self._epoch, self._cursor, self._history = item.epoch + 1, 0, ()
                 self._pos = (self._epoch, 0, ())
                 if self._active is token:
                     self._active = None
                 return
-            self._pos = (item.epoch, item.seq + 1, self._history)
-            self._epoch, self._cursor = item.epoch, item.seq + 1
+            self._cursor += 1
+            self._epoch = item.epoch
+            self._pos = (item.epoch, self._cursor, self._history)
             self._active = token
             conn.credit(item.stream)
             yield self._convert(item.arrays, as_dict)

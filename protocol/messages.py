@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 VERSION = 1
+MAX_HISTORY_WORLD = 1 << 20  # most ranks a resume segment (Hello.history) may name
 
 
 class ErrorCode:
@@ -97,8 +98,8 @@ class Hello:
         credit: how many batches the server may have in flight to this client.
         heartbeat: the client's heartbeat interval in seconds.
         history: the segments of ``epoch`` already run at other world sizes, oldest first:
-            (world size, batches each rank took). Empty unless a position is resumed on another
-            world size (see ``fuelline.server.ordering.remaining_order``).
+            (world size, batches each rank took[, stride, extra]). Empty unless a position is
+            resumed on another world size (see ``fuelline.server.ordering.remaining_order``).
     """
 
     TYPE: ClassVar[str] = "hello"
@@ -112,19 +113,28 @@ class Hello:
     cursor: int = 0
     credit: int = 10
     heartbeat: float = 1.0
-    history: tuple[tuple[int, int], ...] = ()
+    history: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         _check_str("Hello", "client_id", self.client_id)
         if not isinstance(self.history, (list, tuple)) or len(self.history) > 64:
-            raise ValueError("Hello.history must be a list of at most 64 (world size, batches) pairs")
+            raise ValueError("Hello.history must be a list of at most 64 resume segments")
         pairs = []
-        for pair in self.history:
-            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
-                raise ValueError(f"Hello.history entries must be (world size, batches) pairs, got {pair!r:.60}")
-            _check_int("Hello", "history world size", pair[0], 1)
-            _check_int("Hello", "history batches", pair[1])
-            pairs.append((pair[0], pair[1]))
+        for seg in self.history:
+            if not isinstance(seg, (list, tuple)) or len(seg) not in (2, 4):
+                raise ValueError(
+                    f"Hello.history entries must be (world size, batches[, stride, extra]), got {seg!r:.60}"
+                )
+            _check_int("Hello", "history world size", seg[0], 1)
+            if seg[0] > MAX_HISTORY_WORLD:
+                raise ValueError(f"Hello.history world size must be <= {MAX_HISTORY_WORLD}, got {seg[0]}")
+            _check_int("Hello", "history batches", seg[1])
+            if len(seg) == 4:
+                _check_int("Hello", "history stride", seg[2], 1)
+                _check_int("Hello", "history extra", seg[3])
+                if seg[3] >= seg[2] or seg[2] > seg[0]:
+                    raise ValueError(f"Hello.history segment {tuple(seg)} needs extra < stride <= world size")
+            pairs.append(tuple(seg))
         object.__setattr__(self, "history", tuple(pairs))
         _check_int("Hello", "world_size", self.world_size, 1)
         _check_int("Hello", "rank", self.rank)

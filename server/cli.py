@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--row-group-rows", type=_positive_int, default=1_000)
 
     stream = sub.add_parser("stream", help="read epochs from a server and report throughput")
-    stream.add_argument("endpoint", help="HOST:PORT of a data server")
+    stream.add_argument("endpoint", metavar="HOST:PORT[,HOST:PORT...]",
+                        help="a data server, or several serving the same dataset with the same options")
     stream.add_argument("--epochs", type=_positive_int, default=1)
     stream.add_argument("--split", default="train")
     stream.add_argument("--rank", type=int, default=0)
@@ -187,7 +188,7 @@ def _stream(args: argparse.Namespace) -> int:
     from fuelline.client import ServerDataStream
 
     with ServerDataStream(
-        endpoints=[args.endpoint], split=args.split, rank=args.rank, world_size=args.world_size,
+        endpoints=args.endpoint, split=args.split, rank=args.rank, world_size=args.world_size,
         hwm=args.hwm, timeout=args.timeout, curve_keys=args.curve_keys,
     ) as stream:
         for epoch in range(args.epochs):

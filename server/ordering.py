@@ -23,6 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
+from fuelline.protocol.messages import MAX_HISTORY_WORLD
+
 __all__ = ["EpochPlan", "epoch_plan", "epoch_rng", "epoch_order", "rank_rows", "rows_per_rank", "batches_per_rank", "remaining_order"]
 
 
@@ -107,26 +109,32 @@ def rank_rows(order: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     return order[(lo % n + np.arange(per_rank, dtype=np.int64)) % n]
 
 
-def remaining_order(order: np.ndarray, history: Sequence[tuple[int, int]], batch_size: int) -> np.ndarray:
+def remaining_order(order: np.ndarray, history: Sequence[Sequence[int]], batch_size: int) -> np.ndarray:
     """What is left of an epoch's order after segments run at other world sizes.
 
     ``history`` lists, oldest first, the segments the epoch was interrupted in: (world size,
-    batches each rank had taken). Each segment sharded what was left at the time, as
-    ``rank_rows`` does; the rows its ranks took are removed (padding rows included, so a row
-    taken once is never served again in the epoch). The rest keeps its order, and the current
-    world size shards it afresh: a position can be carried to any world size.
+    batches each rank had taken), or (world size, batches, stride, extra) when ranks did not all
+    take as many: then the ranks whose index modulo ``stride`` is below ``extra`` took one batch
+    more (a reader of several servers is ``stride`` ranks of its servers' world, read in turn).
+    Each segment sharded what was left at the time, as ``rank_rows`` does; the rows its ranks took
+    are removed (padding rows included, so a row taken once is never served again in the epoch).
+    The rest keeps its order, and the current world size shards it afresh: a position can be
+    carried to any world size.
     """
     rest = np.asarray(order)
-    for world_size, batches in history:
-        if world_size < 1 or batches < 0:
-            raise ValueError(f"invalid resume segment ({world_size}, {batches})")
+    for segment in history:
+        world_size, batches, stride, extra = (*segment, 1, 0) if len(segment) == 2 else segment
+        if not 1 <= world_size <= MAX_HISTORY_WORLD or batches < 0 or stride < 1 or not 0 <= extra < stride:
+            raise ValueError(f"invalid resume segment {tuple(segment)}")
         if not len(rest):
             break
         per_rank = rows_per_rank(len(rest), world_size)
-        taken_each = min(batches * batch_size, per_rank)
+        ranks = np.arange(world_size)
+        taken_each = np.minimum((batches + (ranks % stride < extra)) * batch_size, per_rank)
         # Positions (in ``rest``) that the segment's ranks took: the head of each rank's span of
         # the wrap-padded sequence.
-        padded_positions = (np.arange(world_size)[:, None] * per_rank + np.arange(taken_each)[None, :]).reshape(-1)
+        heads = np.arange(per_rank)[None, :] < taken_each[:, None]
+        padded_positions = (ranks[:, None] * per_rank + np.arange(per_rank)[None, :])[heads]
         taken = np.zeros(len(rest), dtype=bool)
         taken[padded_positions % len(rest)] = True
         rest = rest[~taken]

@@ -68,7 +68,7 @@ def test_authorized_client_streams_an_encrypted_epoch(sample_dataset: Path, star
     server = start_serve(sample_dataset, "--curve-keys", str(keys["server"]), "--batch-size", "500")
     with ServerDataStream(endpoints=[server.endpoint], curve_keys=keys["client"], timeout=10.0) as stream:
         assert read_epoch(stream) == TRAIN_ROWS
-        sock = stream._conn._sock  # noqa: SLF001 (the only way to see the mechanism in use)
+        sock = stream._conns[0]._sock  # noqa: SLF001 (the only way to see the mechanism in use)
         assert sock.get(zmq.MECHANISM) == zmq.CURVE
     log = server.log()
     assert "CURVE: 1 authorized client keys" in log and "without encryption" not in log

@@ -178,10 +178,14 @@ def nproc_per_node(cmd: Command) -> str | None:
     return None
 
 
-def trainer_target(cmd: Command) -> tuple[str, int]:
-    host, _, port = cmd.trainer.servers.rpartition(":")
-    assert host and port.isdigit(), f"--servers must be HOST:PORT: {cmd.show()}"
-    return host, int(port)
+def trainer_targets(cmd: Command) -> list[tuple[str, int]]:
+    """The (host, port) of every data server in a trainer's --servers."""
+    out = []
+    for server in cmd.trainer.servers:
+        host, _, port = server.rpartition(":")
+        assert host and port.isdigit(), f"--servers must be HOST:PORT[,HOST:PORT...]: {cmd.show()}"
+        out.append((host, int(port)))
+    return out
 
 
 def test_bad_command_lines_fail_with_the_command_line_in_the_message():
@@ -195,7 +199,7 @@ def test_bad_command_lines_fail_with_the_command_line_in_the_message():
     with pytest.raises(pytest.fail.Exception, match=r"not a fuelline or torchrun"):
         check_command(["sh", "-c", "fuelline serve /data"], "example")
     cmd = check_command(["torchrun", "--nproc_per_node", "2", "-m", "fuelline.trainer", "--servers", "h:1"], "example")
-    assert cmd.trainer.servers == "h:1" and nproc_per_node(cmd) == "2"
+    assert cmd.trainer.servers == ["h:1"] and nproc_per_node(cmd) == "2"
 
 
 def trainer_accepts_curve_keys() -> bool:
@@ -577,14 +581,14 @@ def test_compose_trainer_reads_a_healthy_server_and_keeps_its_checkpoints():
         if cmd.trainer is None:
             continue
         where, spec = f"compose.yaml service {service.name}", service.spec
-        host, port = trainer_target(cmd)
-        assert host in services and services[host].command.serves, f"{where}: --servers {host} is no data server"
-        assert port == services[host].command.fuelline.port, f"{where}: {host} does not serve on port {port}"
-        depends = spec.get("depends_on") or {}
-        assert isinstance(depends, dict) and depends.get(host, {}).get("condition") == "service_healthy", (
-            f"{where}: starts once {host} is healthy")
-        server_networks = set(services[host].spec.get("networks", ["default"]))
-        assert server_networks & set(spec.get("networks", ["default"])), f"{where}: shares no network with {host}"
+        for host, port in trainer_targets(cmd):
+            assert host in services and services[host].command.serves, f"{where}: --servers {host} is no data server"
+            assert port == services[host].command.fuelline.port, f"{where}: {host} does not serve on port {port}"
+            depends = spec.get("depends_on") or {}
+            assert isinstance(depends, dict) and depends.get(host, {}).get("condition") == "service_healthy", (
+                f"{where}: starts once {host} is healthy")
+            server_networks = set(services[host].spec.get("networks", ["default"]))
+            assert server_networks & set(spec.get("networks", ["default"])), f"{where}: shares no network with {host}"
         # Restarted after a failure only: a finished run must not start again.
         assert str(spec.get("restart", "")).startswith("on-failure"), f"{where}: restart: on-failure"
         if cmd.trainer.checkpoint_dir:
@@ -769,8 +773,8 @@ def test_kubernetes_trainers_read_a_server_and_restart_on_failure():
     names = {service_name} | {f"{sts['metadata']['name']}-{i}.{service_name}" for i in range(replicas)}
     for trainer in _trainers():
         where, cmd = trainer.where, trainer.command
-        host, port = trainer_target(cmd)
-        assert host in names and port == server_port, f"{where}: --servers {host}:{port} is none of {sorted(names)}"
+        for host, port in trainer_targets(cmd):
+            assert host in names and port == server_port, f"{where}: --servers {host}:{port} is none of {sorted(names)}"
         assert trainer.pod.restart_policy in ("OnFailure", "Never"), f"{where}: a restartPolicy that ends"
         if cmd.trainer.checkpoint_dir:
             writable = [m for path, m in trainer.mounts().items()
@@ -794,12 +798,12 @@ def test_trainers_present_keys_to_curve_servers():
     compose_servers = {name: s.command for name, s in compose_services().items() if s.command.serves}
     for service in compose_services().values():
         if service.command.trainer is not None:
-            host, _ = trainer_target(service.command)
-            if compose_servers[host].fuelline.curve_keys:
-                keys = service.command.trainer.curve_keys
-                assert keys and service.mounts().get(keys) is True, (
-                    f"compose.yaml service {service.name}: reads the CURVE server {host} without --curve-keys "
-                    "on a read-only mount")
+            for host, _ in trainer_targets(service.command):
+                if compose_servers[host].fuelline.curve_keys:
+                    keys = service.command.trainer.curve_keys
+                    assert keys and service.mounts().get(keys) is True, (
+                        f"compose.yaml service {service.name}: reads the CURVE server {host} without "
+                        "--curve-keys on a read-only mount")
     if any(s.command.fuelline.curve_keys for s in _servers()):
         for trainer in _trainers():
             keys = trainer.command.trainer.curve_keys

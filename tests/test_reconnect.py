@@ -55,14 +55,12 @@ def test_stopped_server_is_noticed_and_the_stream_resumes_when_it_continues(
     with ServerDataStream(("sample_id",), endpoints=[server.endpoint], hwm=4, heartbeat=0.2, timeout=30) as s:
         it = s.get_epoch_iterator()
         seen = [next(it)[0].tolist() for _ in range(50)]
-        conn = s._conn
-        assert conn is not None
-        before = conn.reconnects
+        before = s.reconnects
         server.proc.send_signal(signal.SIGSTOP)
         try:
             # The server process is frozen: its heartbeats stop, and the client must notice
             # within 3 intervals (0.6 s) plus one tick of its loop.
-            noticed = wait_until(lambda: conn.reconnects > before, 5.0, "client noticed the stopped server")
+            noticed = wait_until(lambda: s.reconnects > before, 5.0, "client noticed the stopped server")
         finally:
             server.proc.send_signal(signal.SIGCONT)
         assert noticed < 3 * 0.2 + 0.3

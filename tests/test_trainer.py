@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -49,9 +50,17 @@ def lines(path: Path) -> list[dict]:
 
 @pytest.mark.timeout(300)
 def test_two_ranks_train_evaluate_and_report_each_epoch(dataset: Path, start_serve, tmp_path: Path) -> None:
-    server = start_serve(dataset, "--batch-size", "16")
-    metrics = tmp_path / "metrics.jsonl"
-    result = torchrun(server.endpoint, "--epochs", "2", "--compression", "fp16", "--metrics-json", str(metrics))
+    # Two data servers at once: each serves a disjoint part of every rank's share.
+    servers = [start_serve(dataset, "--batch-size", "16") for _ in range(2)]
+    metrics, samples = tmp_path / "metrics.jsonl", tmp_path / "samples"
+    result = torchrun(",".join(s.endpoint for s in servers), "--epochs", "2", "--compression", "fp16",
+                      "--metrics-json", str(metrics), "--sample-log", str(samples))
+    train_windows = servers[0].wait_log(r"split 'train': (\d+) rows")
+    windows = int(re.search(r"split 'train': (\d+) rows", train_windows).group(1))
+    for epoch in (0, 1):
+        ids = [x for rank in range(2) for r in lines(Path(f"{samples}.rank{rank}")) if r["epoch"] == epoch
+               for x in r["ids"]]
+        assert len(set(ids)) == windows and len(ids) - windows < 2 * 2 * 16  # every window; padding only
     records = lines(metrics)
     assert [r["epoch"] for r in records] == [0, 1]
     stdout = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]

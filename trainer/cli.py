@@ -11,7 +11,9 @@ __all__ = ["parse_args"]
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="torchrun --nproc_per_node N -m fuelline.trainer",
                                 description="Train the multimodal emotion classifier on batches from data servers.")
-    p.add_argument("--servers", required=True, help="HOST:PORT of the data server")
+    p.add_argument("--servers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="the data servers; with several, each serves a disjoint part of every rank's share "
+                        "(start them with the same dataset and options)")
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--compression", choices=["none", "fp16", "onebit"], default="none")
     p.add_argument("--optimizer", choices=["sgd", "adam", "onebit-adam"], default="adam")
@@ -37,8 +39,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--micro-batch", type=int, default=None, help="CUDA: skip the probe and use this micro-batch")
     args = p.parse_args(argv)
-    if "," in args.servers:
-        p.error("--servers: reading from several servers at once is not supported yet; give one HOST:PORT")
+    servers = [s for s in args.servers.split(",") if s]
+    for server in servers:
+        host, _, port = server.rpartition(":")
+        if not host or not port.isdigit():
+            p.error(f"--servers: {server!r} is not HOST:PORT")
+    if not servers or len(set(servers)) != len(servers):
+        p.error(f"--servers: give each data server once, got {args.servers!r}")
+    args.servers = servers
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
     if args.epochs < 1:

@@ -71,7 +71,7 @@ class Trainer:
     def __init__(self, args, rank: int, world: int, device: torch.device) -> None:
         self.args, self.rank, self.world, self.device = args, rank, world, device
         torch.manual_seed(args.seed)
-        common = dict(endpoints=[args.servers], rank=rank, world_size=world, hwm=args.hwm, timeout=args.timeout,
+        common = dict(endpoints=args.servers, rank=rank, world_size=world, hwm=args.hwm, timeout=args.timeout,
                       tensors=True, curve_keys=args.curve_keys)
         self.train = ServerDataStream(None, split="train", **common)
         self.val = ServerDataStream(None, split="val", **common)
