@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="processes that load, align and preprocess in parallel; 0 does it on threads of "
                             "the serving process. The batches are the same for any number")
     serve.add_argument("--memory-cache", type=_non_negative_int, default=10, metavar="K",
-                       help="the last K prepared batches kept per client, so a reconnect resumes without "
-                            "recomputing them; 0 for none")
+                       help="the last K batches sent to each client are kept (with those prepared ahead of "
+                            "them), so a reconnect resumes without recomputing them; 0 for none")
     storage = serve.add_argument_group("remote datasets (DATASET as s3://bucket/prefix, file://...)")
     storage.add_argument("--cache-dir", metavar="DIR", default=None,
                          help="local copies of remote shards (default: $XDG_CACHE_HOME/fuelline or ~/.cache/fuelline)")
@@ -165,7 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.status_interval < 0:
         raise DataError(f"--status-interval must be >= 0 seconds, got {args.status_interval}")
     server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum,
-                    curve=curve, status_interval=args.status_interval)
+                    curve=curve, status_interval=args.status_interval, memory_cache=args.memory_cache)
     try:
         server.bind()
     except Exception as exc:

@@ -35,6 +35,7 @@ from fuelline.protocol import (
     encode,
 )
 from fuelline.server.keys import CurveConfig, is_loopback, start_authenticator
+from fuelline.server.recent import RecentBatches
 from fuelline.server.session import Session
 from fuelline.server.sources import BatchSource
 
@@ -61,6 +62,10 @@ class Server:
         curve: encrypt, and accept only the clients whose keys it lists
             (``CurveConfig.from_dir(DIR)``); None serves in the clear, which off loopback is
             logged as a warning.
+        status_interval: seconds between status lines in the log; 0 for none.
+        memory_cache: the last K batches sent to each client are kept (with those prepared ahead
+            of them), so a reconnecting client gets them without recomputation
+            (``fuelline.server.recent``); 0 keeps none.
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class Server:
         context: zmq.Context | None = None,
         curve: CurveConfig | None = None,
         status_interval: float = 0.0,
+        memory_cache: int = 10,
     ) -> None:
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
@@ -91,6 +97,9 @@ class Server:
         self.curve = curve
         self._auth: Any = None  # the ZAP authenticator thread, while CURVE is on
         self.sessions: dict[bytes, Session] = {}
+        # The memory tier: the last K batches sent to each client, plus the up to hwm prepared
+        # ahead of them (held anyway), so a client that lost its in-flight batches gets them again.
+        self.recent = RecentBatches(memory_cache + hwm) if memory_cache else None
         self.endpoint: str | None = None
         # A context of its own, terminated at shutdown: that waits (up to the linger) until
         # libzmq has sent or dropped every zero-copy frame, before their memory can go away.
@@ -282,6 +291,8 @@ class Server:
         elif isinstance(msg, Bye):
             if session is not None:
                 self._drop(session, f"said bye ({msg.reason})" if msg.reason else "said bye", level=logging.INFO)
+                if self.recent is not None:
+                    self.recent.forget(session.hello.client_id)  # it will not come back for them
         else:
             self._reply(rid, ErrorCode.BAD_REQUEST, f"a client may not send {msg.TYPE} messages")
 
@@ -304,7 +315,7 @@ class Server:
             if other.hello.client_id == hello.client_id:
                 self._drop(other, "replaced by a new connection of the same client", level=logging.INFO)
         name = f"{hello.client_id[:12]}#{uuid.uuid4().hex[:6]}"
-        session = Session(rid, hello, src, tuple(wanted), self.hwm, self.checksum, self._wake, name)
+        session = Session(rid, hello, src, tuple(wanted), self.hwm, self.checksum, self._wake, name, self.recent)
         self.sessions[rid] = session
         self.stats["sessions"] += 1
         schema = src.schema()
@@ -333,14 +344,32 @@ class Server:
                 self.stats["batches"] += 1
                 self.stats["bytes"] += sum(memoryview(f).nbytes for f in frames[1:])
 
+    def counters(self) -> dict[str, int]:
+        """Everything counted so far: batches and bytes sent, sessions, the cache tiers' hits and
+        misses, the source's own events (worker restarts, remote fetches...)."""
+        out = dict(self.stats)
+        if self.recent is not None:
+            out.update(self.recent.stats())
+        out.update(getattr(self.source, "counters", {}))
+        return out
+
     def _status(self, now: float) -> None:
         """One readable line per interval: what an operator looks at first."""
         batches, nbytes, since = self._status_base
         dt = max(now - since, 1e-9)
         queued = sum(s.queued for s in self.sessions.values())
+        counts = self.counters()
+        tiers = []
+        for tier in ("memory", "disk"):
+            hits, misses = counts.get(f"cache_{tier}_hits", 0), counts.get(f"cache_{tier}_misses", 0)
+            if hits or misses:
+                tiers.append(f"{tier} cache {hits} hits / {misses} misses")
+        if counts.get("remote_fetches"):
+            tiers.append(f"{counts['remote_fetches']} remote fetches ({counts.get('remote_bytes', 0) / 1e6:.1f} MB)")
         log.info(
-            "%d clients; %.1f batches/s, %.1f MB/s; %d batches prepared and waiting for credit",
+            "%d clients; %.1f batches/s, %.1f MB/s; %d batches prepared and waiting for credit%s",
             len(self.sessions), (self.stats["batches"] - batches) / dt, (self.stats["bytes"] - nbytes) / dt / 1e6, queued,
+            "".join(f"; {t}" for t in tiers),
         )
         self._status_base = (self.stats["batches"], self.stats["bytes"], now)
         self._status_at = now + self.status_interval

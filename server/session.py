@@ -14,9 +14,12 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+import numpy as np
 
 from fuelline.protocol import Batch, DataError, EndOfEpoch, Error, ErrorCode, Hello, encode
+from fuelline.server.recent import RecentBatches
 from fuelline.server.sources import BatchSource
 
 __all__ = ["Session"]
@@ -40,6 +43,7 @@ class Session:
         checksum: bool,
         wake: Callable[[], None],
         name: str,
+        recent: RecentBatches | None = None,
     ) -> None:
         self.routing_id = routing_id
         self.hello = hello
@@ -51,6 +55,12 @@ class Session:
         self.last_heard = self.last_sent = time.monotonic()
         self.sent_batches = 0
         self._source = source
+        self._recent = recent
+        # A unit source never writes a batch's arrays again; a Fuel stream may reuse its buffers,
+        # so the memory tier keeps a copy of what it yields.
+        self._copy_for_recent = not getattr(source, "immutable_batches", False)
+        # What a cached batch must have been prepared for, besides its client and position.
+        self._request = (hello.split, hello.rank, hello.world_size, hello.history, sources)
         self._checksum = checksum
         self._wake = wake
         self._ready: deque[Item] = deque()
@@ -122,6 +132,34 @@ class Session:
         """Data left out under --on-bad-shard skip: the client is told, in order with its batches."""
         self._put(("notice", encode(Error(ErrorCode.DATA_LOSS, message, fatal=False))))
 
+    def _batches(self, epoch: int, start: int) -> Iterator[dict[str, Any]]:
+        """Batches ``start…`` of an epoch: from the memory tier while it holds them (a client
+        that reconnects asks again for what was just prepared), then from the source."""
+        h, recent = self.hello, self._recent
+        seq = start
+        while recent is not None:
+            arrays = recent.get(h.client_id, self._request, epoch, seq)
+            if arrays is None:
+                break
+            yield arrays
+            seq += 1
+        # The first epoch may be one resumed from another world size (Hello.history).
+        extra = {"history": h.history} if h.history and epoch == h.epoch else {}
+        batches = self._source.iter_batches(
+            h.split, epoch, h.rank, h.world_size, seq, self.sources, on_loss=self._report_loss, **extra
+        )
+        try:
+            for arrays in batches:
+                if recent is not None:
+                    kept = {k: np.array(v) for k, v in arrays.items()} if self._copy_for_recent else arrays
+                    recent.put(h.client_id, self._request, epoch, seq, kept)
+                yield arrays
+                seq += 1
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()
+
     def _produce(self) -> None:
         h = self.hello
         epoch, cursor = h.epoch, h.cursor
@@ -129,11 +167,7 @@ class Session:
         try:
             while not self._stopped:
                 seq = cursor
-                # The first epoch may be one resumed from another world size (Hello.history).
-                extra = {"history": h.history} if h.history and epoch == h.epoch else {}
-                batches = self._source.iter_batches(
-                    h.split, epoch, h.rank, h.world_size, cursor, self.sources, on_loss=self._report_loss, **extra
-                )
+                batches = self._batches(epoch, cursor)
                 try:
                     for arrays in batches:
                         frames = encode(Batch(h.stream, epoch, seq, arrays), checksum=self._checksum)
@@ -141,9 +175,7 @@ class Session:
                             return
                         seq += 1
                 finally:
-                    close = getattr(batches, "close", None)
-                    if close is not None:
-                        close()
+                    batches.close()
                 if not self._put(("end", encode(EndOfEpoch(h.stream, epoch, seq)))):
                     return
                 if seq == 0:

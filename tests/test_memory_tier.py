@@ -1,0 +1,85 @@
+"""The memory tier: a client that reconnects gets its recent batches again without recomputation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from conftest import wait_until
+from fuelline.protocol import Batch, Bye, Credit, Hello
+from fuelline.server.parquet_source import ParquetSource
+from fuelline.server.recent import RecentBatches
+from fuelline.server.serving import Server
+from test_flow_control import RawClient
+
+
+@pytest.fixture
+def server(sample_dataset: Path):
+    source = ParquetSource(str(sample_dataset), batch_size=10, seed=1)
+    server = Server(source, port=0, hwm=4, heartbeat=5.0, memory_cache=10)
+    endpoint = server.start()
+    server.address = endpoint.removeprefix("tcp://")
+    yield server
+    server.stop()
+    server.join(10)
+    source.close()
+
+
+def batches(client: RawClient, n: int, ack: bool = False) -> list[Batch]:
+    """The next n batches; with ``ack``, each is taken at once (its credit returned)."""
+    got = []
+    while len(got) < n:
+        msg = client.recv()
+        if isinstance(msg, Batch):
+            got.append(msg)
+            if ack:
+                client.send(Credit(1))
+    return got
+
+
+def test_a_reconnecting_client_gets_its_batches_from_memory(server: Server, zmq_context: zmq.Context) -> None:
+    first = RawClient(zmq_context, server.address)
+    first.send(Hello("trainer-0", credit=4, heartbeat=5.0))
+    assert first.recv().TYPE == "welcome"
+    sent = batches(first, 4)  # hwm 4: four in flight, four more prepared behind them
+    wait_until(lambda: server.recent.misses >= 8, 10.0, "the session prepared 4 batches ahead")
+    prepared = server.recent.misses
+    # The connection dies with batches 1-3 received by nobody: the client asks again from batch 1.
+    second = RawClient(zmq_context, server.address)
+    second.send(Hello("trainer-0", cursor=1, credit=4, heartbeat=5.0, stream=1))
+    assert second.recv().TYPE == "welcome"
+    again = batches(second, 12, ack=True)
+    assert [b.seq for b in again] == list(range(1, 13))
+    for old, new in zip(sent[1:], again):
+        for name in old.arrays:
+            np.testing.assert_array_equal(old.arrays[name], new.arrays[name])
+    assert server.recent.hits == prepared - 1  # batches 1..7 came from memory
+    assert server.recent.misses >= 13  # and only batches 8 on were prepared again
+    assert server.counters()["cache_memory_hits"] == prepared - 1
+
+
+def test_another_request_or_a_bye_starts_afresh(server: Server, zmq_context: zmq.Context) -> None:
+    a = RawClient(zmq_context, server.address)
+    a.send(Hello("trainer-1", credit=4, heartbeat=5.0))
+    batches(a, 4)
+    b = RawClient(zmq_context, server.address)  # the same client, now as rank 1 of 2: other batches
+    b.send(Hello("trainer-1", rank=1, world_size=2, credit=4, heartbeat=5.0, stream=1))
+    batches(b, 4)
+    assert server.recent.hits == 0
+    b.send(Bye("done"))
+    wait_until(lambda: server.recent.batches() == 0, 10.0, "the client that said bye is forgotten")
+
+
+def test_the_memory_tier_is_bounded_per_client_and_in_clients() -> None:
+    recent = RecentBatches(k=3, max_clients=2)
+    for client in ("a", "b", "c"):
+        for seq in range(5):
+            recent.put(client, "req", 0, seq, {"x": np.arange(seq)})
+    assert recent.batches() == 6  # 3 each, for the 2 most recent clients
+    assert recent.get("a", "req", 0, 4) is None  # the oldest client went first
+    assert recent.get("c", "req", 0, 1) is None and recent.get("c", "req", 0, 2) is not None
+    assert recent.get("c", "other request", 0, 3) is None
+    assert (recent.hits, recent.misses) == (1, 15)
