@@ -1,0 +1,44 @@
+"""Log output for fuelline's commands: readable lines for people, or one JSON object per line for
+log shippers (``--log-format json``)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import sys
+
+__all__ = ["LOG_FORMATS", "configure_logging", "JsonFormatter"]
+
+LOG_FORMATS = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+# LogRecord attributes that are not a caller's ``extra=`` fields.
+_STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"time", "level", "logger", "message", ...}``: the record's ``extra=`` fields are kept as
+    fields of their own, and an exception as its formatted traceback."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "time": datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def configure_logging(level: str | int = "INFO", fmt: str = "text") -> None:
+    """Send log records to stderr as text lines or JSON lines (replacing earlier handlers)."""
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
