@@ -46,6 +46,8 @@ def _seconds(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuelline", description="Stream training batches from data servers.")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+                        help="log lines for people (text) or one JSON object per line for log shippers (json)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a Parquet dataset")
@@ -72,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-cache", type=_non_negative_int, default=10, metavar="K",
                        help="the last K batches sent to each client are kept (with those prepared ahead of "
                             "them), so a reconnect resumes without recomputing them; 0 for none")
+    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus metrics over HTTP at /metrics on this port (0 picks a free one; "
+                            "the log says which); off by default")
+    serve.add_argument("--metrics-host", default="127.0.0.1",
+                       help="interface of the metrics endpoint (default loopback; it has no authentication)")
     storage = serve.add_argument_group("remote datasets (DATASET as s3://bucket/prefix, file://...)")
     storage.add_argument("--cache-dir", metavar="DIR", default=None,
                          help="local copies of remote shards (default: $XDG_CACHE_HOME/fuelline or ~/.cache/fuelline)")
@@ -170,6 +177,13 @@ def _serve(args: argparse.Namespace) -> int:
         server.bind()
     except Exception as exc:
         raise DataError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+    if args.metrics_port is not None:
+        from fuelline.server.metrics import serve_metrics
+
+        try:
+            serve_metrics(server, args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            raise DataError(f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: {exc}") from None
     serve_until_signalled(server)
     return 0
 
@@ -230,7 +244,9 @@ def _stream(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from fuelline.server.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
     try:
         return args.func(args)
     except (FuellineError, FileExistsError) as exc:
