@@ -16,6 +16,9 @@ import time
 from typing import Sequence
 
 from fuelline.protocol import DataError, FuellineError
+from fuelline.server.logs import LOG_FORMATS
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 __all__ = ["main", "build_parser"]
 
@@ -45,8 +48,8 @@ def _seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuelline", description="Stream training batches from data servers.")
-    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    parser.add_argument("--log-format", default="text", choices=["text", "json"],
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+    parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                         help="log lines for people (text) or one JSON object per line for log shippers (json)")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -124,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     ingest_commands.register(sub)
     inspect.register(sub)
     keys.register(sub)
+    # The logging options also after the subcommand (``fuelline serve DATA --log-format json``),
+    # where unit files and manifests put every option.
+    for command in sub.choices.values():
+        command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help=argparse.SUPPRESS)
+        command.add_argument("--log-format", default=argparse.SUPPRESS, choices=LOG_FORMATS, help=argparse.SUPPRESS)
     return parser
 
 

@@ -84,3 +84,15 @@ def test_a_taken_metrics_port_is_a_clear_error(sample_dataset: Path, tmp_path: P
         out = subprocess.run([sys.executable, "-m", "fuelline.server.cli", "serve", str(sample_dataset), "--port", "0",
                               "--metrics-port", str(port)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and f"--metrics-port: cannot listen on 127.0.0.1:{port}" in out.stderr
+
+
+def test_json_logs_are_one_object_per_line(sample_dataset: Path, start_serve) -> None:
+    import json
+
+    server = start_serve(sample_dataset, "--log-format", "json", "--status-interval", "0.2")
+    with ServerDataStream(endpoints=[server.endpoint], timeout=TIMEOUT) as s:
+        sum(1 for _ in s.get_epoch_iterator())
+    server.wait_log(r'"message": "\d+ clients; ')
+    records = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    assert records and all({"time", "level", "logger", "message"} <= r.keys() for r in records)
+    assert any(r["message"].startswith("split 'train'") and r["level"] == "INFO" for r in records)
