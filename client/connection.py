@@ -73,6 +73,10 @@ class Connection:
         heartbeat: the client's heartbeat interval.
         timeout: seconds without hearing the server before ServerUnavailable.
         curve: CURVE keys to connect with; None for a server without CURVE.
+        local: move to the server's ipc endpoint when its Welcome offers one this client can
+            prove it shares (the server's token file reads the same here): a client on the
+            server's own host then reads through a Unix socket instead of TCP. Reconnects start
+            over TCP (the server may have moved), and move again.
     """
 
     BACKOFF_MIN = 0.05
@@ -90,8 +94,11 @@ class Connection:
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
+        local: bool = True,
     ) -> None:
         self.endpoint = endpoint
+        self.transport = endpoint  # where the socket connects now: the endpoint, or the server's ipc path
+        self._local = local
         self.welcome: Welcome | None = None
         self.reconnects = 0
         self.data_losses: list[str] = []  # what the server left out (--on-bad-shard skip), in its words
@@ -244,7 +251,7 @@ class Connection:
         if self._curve is not None:
             self._curve.apply(sock)
         self._watch.attach(sock)
-        sock.connect(self.endpoint)
+        sock.connect(self.transport)
         self._sock = sock
         self._connected = False
         self._say_hello()
@@ -297,6 +304,7 @@ class Connection:
                 return
             self.reconnects += 1
             self._retry_at = None
+            self.transport = self.endpoint  # the server may have restarted elsewhere: ask TCP again
             self._open()
         if self._sock is not None and (self._sock.poll(wait * 1000) if wait > 0 else True):
             self._drain_socket()
@@ -325,6 +333,18 @@ class Connection:
             self._backoff = min(self._backoff * 2, self.BACKOFF_MAX)
         elif now - self._last_sent >= self._heartbeat:
             self._send(Heartbeat())
+
+    def _shares_host(self, local: Any) -> bool:
+        """Whether the server's ipc endpoint is reachable from here: its token file must read
+        the same here (a container on the same machine has a filesystem of its own)."""
+        if not self._local:
+            return False
+        path = local["endpoint"][len("ipc://"):]
+        try:
+            with open(path + ".token") as f:
+                return f.read(256) == local["token"]
+        except OSError:
+            return False
 
     def _detail(self, detail: str) -> str:
         """``detail``, and what the handshakes suggest when the server was never heard properly."""
@@ -375,6 +395,13 @@ class Connection:
                 self._backoff = self.BACKOFF_MIN
                 self._server_heartbeat = msg.heartbeat
                 self.welcome = msg
+                if msg.local is not None and self.transport == self.endpoint and self._shares_host(msg.local):
+                    # The same session again over the Unix socket: the Hello there replaces this
+                    # one, and batches sent meanwhile over TCP come again (from the server's memory).
+                    log.info("server %s is on this host: reading through %s", self.endpoint, msg.local["endpoint"])
+                    self.transport = msg.local["endpoint"]
+                    self._close_socket()
+                    self._open()
         elif isinstance(msg, Error):
             if msg.code == ErrorCode.NO_SESSION:
                 # The server restarted, or dropped us: ask again from where we are.

@@ -67,6 +67,8 @@ class ServerDataStream:
         curve_keys: for a server that uses CURVE (``fuelline serve --curve-keys``): a directory
             holding this client's ``client.key_secret`` and the server's ``server.key``, or a
             ``fuelline.client.curve.CurveKeys``. None connects without encryption.
+        local: on the server's own host, read through the Unix socket it offers instead of TCP
+            (several times faster for large batches); False keeps TCP.
 
     Raises:
         ServerUnavailable: no answer from the server within ``timeout``.
@@ -96,6 +98,7 @@ class ServerDataStream:
         limits: Limits = DEFAULT_LIMITS,
         context: zmq.Context | None = None,
         curve_keys: str | os.PathLike[str] | CurveKeys | None = None,
+        local: bool = True,
     ) -> None:
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
@@ -143,6 +146,7 @@ class ServerDataStream:
         self._context = context
         # Loaded now, so a missing key file fails here rather than at the first batch.
         self._curve = curve_keys if isinstance(curve_keys, CurveKeys) or curve_keys is None else CurveKeys.from_dir(curve_keys)
+        self._local = local
         self._conns: list[Connection] = []
         self._checked = False  # the servers' welcomes were compared
         self._stream = 0  # the stream the connection is reading; changes on every seek
@@ -178,6 +182,12 @@ class ServerDataStream:
     def data_losses(self) -> list[str]:
         """What the servers could not read and left out (``--on-bad-shard skip``), in their words."""
         return [loss for conn in self._conns for loss in conn.data_losses]
+
+    @property
+    def transports(self) -> list[str]:
+        """Where each server connection reads from now: its TCP endpoint, or the ipc path of a
+        server on this host."""
+        return [conn.transport for conn in self._conns]
 
     @property
     def reconnects(self) -> int:
@@ -275,7 +285,7 @@ class ServerDataStream:
             self._conns = [
                 Connection(
                     endpoint, hello, hwm=hwm, heartbeat=self.heartbeat, timeout=self.timeout, verify=self._verify,
-                    limits=self._limits, context=self._context, curve=self._curve,
+                    limits=self._limits, context=self._context, curve=self._curve, local=self._local,
                 )
                 for endpoint, hello in zip(self.endpoints, self._hellos)
             ]

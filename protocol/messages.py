@@ -166,6 +166,10 @@ class Welcome:
         batches_per_epoch: batches this client gets per epoch, None if the server cannot tell.
         heartbeat: the server's heartbeat interval in seconds.
         info: plain facts about the dataset (rows, splits, seed, batch size...).
+        local: how a client on the server's own host may reach it faster, or None:
+            ``{"endpoint": "ipc:///…/server.sock", "token": "…"}``. The server wrote ``token``
+            into ``<socket path>.token``; a client that reads the same token there shares the
+            server's filesystem, so the ipc endpoint reaches the same server.
     """
 
     TYPE: ClassVar[str] = "welcome"
@@ -176,9 +180,17 @@ class Welcome:
     batches_per_epoch: int | None
     heartbeat: float
     info: Mapping[str, Any] = field(default_factory=dict)
+    local: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         _check_str("Welcome", "session", self.session)
+        if self.local is not None:
+            if not isinstance(self.local, Mapping) or set(self.local) != {"endpoint", "token"}:
+                raise ValueError("Welcome.local must be a map of endpoint and token")
+            _check_str("Welcome", "local endpoint", self.local["endpoint"])
+            _check_str("Welcome", "local token", self.local["token"])
+            if not self.local["endpoint"].startswith("ipc://") or len(self.local["endpoint"]) > 4096:
+                raise ValueError(f"Welcome.local endpoint must be an ipc:// path, got {self.local['endpoint']!r:.60}")
         _check_int("Welcome", "stream", self.stream)
         _check_names("Welcome", "sources", self.sources)
         if not isinstance(self.schema, Mapping) or set(self.schema) != set(self.sources):

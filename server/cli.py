@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-cache", type=_non_negative_int, default=10, metavar="K",
                        help="the last K batches sent to each client are kept (with those prepared ahead of "
                             "them), so a reconnect resumes without recomputing them; 0 for none")
+    serve.add_argument("--local-ipc", action=argparse.BooleanOptionalAction, default=True,
+                       help="also listen on a Unix socket that clients on this host move to (faster than "
+                            "TCP; not with --curve-keys)")
     serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                        help="serve Prometheus metrics over HTTP at /metrics on this port (0 picks a free one; "
                             "the log says which); off by default")
@@ -180,7 +183,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.status_interval < 0:
         raise DataError(f"--status-interval must be >= 0 seconds, got {args.status_interval}")
     server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum,
-                    curve=curve, status_interval=args.status_interval, memory_cache=args.memory_cache)
+                    curve=curve, status_interval=args.status_interval, memory_cache=args.memory_cache,
+                    local_ipc=args.local_ipc)
     try:
         server.bind()
     except Exception as exc:

@@ -11,6 +11,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -63,6 +66,9 @@ class Server:
             (``CurveConfig.from_dir(DIR)``); None serves in the clear, which off loopback is
             logged as a warning.
         status_interval: seconds between status lines in the log; 0 for none.
+        local_ipc: also listen on a Unix socket (in a private temporary folder, mode 700: only
+            this user's processes reach it) and offer it to clients in their Welcome: one on this
+            host moves there, remote ones keep TCP. Not with ``curve``.
         memory_cache: the last K batches sent to each client are kept (with those prepared ahead
             of them), so a reconnecting client gets them without recomputation
             (``fuelline.server.recent``); 0 keeps none.
@@ -82,6 +88,7 @@ class Server:
         curve: CurveConfig | None = None,
         status_interval: float = 0.0,
         memory_cache: int = 10,
+        local_ipc: bool = True,
     ) -> None:
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
@@ -97,6 +104,9 @@ class Server:
         self.curve = curve
         self._auth: Any = None  # the ZAP authenticator thread, while CURVE is on
         self.sessions: dict[bytes, Session] = {}
+        self.local_ipc = local_ipc
+        self.local: dict[str, str] | None = None  # the ipc endpoint and its token, once bound
+        self._ipc_dir: str | None = None
         # The memory tier: the last K batches sent to each client, plus the up to hwm prepared
         # ahead of them (held anyway), so a client that lost its in-flight batches gets them again.
         self.recent = RecentBatches(memory_cache + hwm) if memory_cache else None
@@ -134,13 +144,32 @@ class Server:
                 self.port = router.bind_to_random_port(f"tcp://{address}")
             else:
                 router.bind(f"tcp://{address}:{self.port}")
+            if self.local_ipc and self.curve is None:
+                # (With CURVE every connection stays on it: the server's keys decide who reads.)
+                self._bind_local(router)
         except BaseException:
             router.close(linger=0)
             self._stop_auth()
+            self._remove_local()
             raise
         self._router = router
         self.endpoint = f"tcp://{address}:{self.port}"
         return self.endpoint
+
+    def _bind_local(self, router: zmq.Socket) -> None:
+        """The Unix socket that clients on this host move to, with the token that proves it."""
+        self._ipc_dir = tempfile.mkdtemp(prefix="fuelline-")
+        path = os.path.join(self._ipc_dir, "server.sock")
+        router.bind(f"ipc://{path}")
+        token = secrets.token_hex(16)
+        with open(path + ".token", "w") as f:
+            f.write(token)
+        self.local = {"endpoint": f"ipc://{path}", "token": token}
+
+    def _remove_local(self) -> None:
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir = None
 
     def _secure(self, router: zmq.Socket) -> None:
         """CURVE on the socket (before bind), or a warning where the clear text can leave the machine."""
@@ -327,6 +356,7 @@ class Server:
             batches_per_epoch=src.batches_per_epoch(hello.split, hello.rank, hello.world_size),
             heartbeat=self.heartbeat,
             info=dict(src.info(hello.split)),
+            local=self.local,
         )
         if self._send(rid, encode(welcome)):
             if old is None:
@@ -402,6 +432,7 @@ class Server:
             self._router.close()  # LINGER 1000: a Bye still queued gets a second to leave
             self._router = None
         self._stop_auth()
+        self._remove_local()
         if self._own_ctx:
             self._ctx.term()
         self._pipe_closed = True
@@ -410,4 +441,5 @@ class Server:
                 os.close(fd)
             except OSError:
                 pass
-        log.info("server stopped: %s", reason)
+        counts = {k: v for k, v in self.counters().items() if v}
+        log.info("server stopped: %s; totals: %s", reason, ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none")
