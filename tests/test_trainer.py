@@ -72,6 +72,15 @@ def test_two_ranks_train_evaluate_and_report_each_epoch(dataset: Path, start_ser
         assert r["world_size"] == 2 and 0 <= r["val_accuracy"] <= 1
         assert r["grad_bytes_per_element"] == pytest.approx(2.0)  # fp16 ring all-reduce at W = 2
         assert set(r["val_recall"]) == {"neutral", "happiness", "sadness", "surprise", "anger", "fear"}
+        assert 0 <= r["data_wait_share"] <= 1 and r["timing_over"] == "all ranks pooled"
+        for key in ("data_wait_ms", "step_ms", "batch_ms"):
+            assert r[key]["p50"] <= r[key]["p90"] <= r[key]["p99"] <= r[key]["max"], key
+        assert r["gpu_util"] is None and r["gpu_mem_max_mb"] is None  # CPU
+    # stderr is not a terminal: progress is plain log lines (no bar), up to the epoch's last batch
+    for epoch in (0, 1):
+        progress = re.findall(rf"epoch {epoch}: step (\d+)/(\d+), loss \S+, data wait [\d.]+%", result.stderr)
+        assert progress and progress[-1][0] == progress[-1][1], result.stderr[-2000:]
+    assert "\r" not in result.stderr
 
 
 @pytest.mark.timeout(400)

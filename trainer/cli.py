@@ -5,19 +5,21 @@ from __future__ import annotations
 import argparse
 from typing import Sequence
 
-__all__ = ["parse_args"]
+__all__ = ["build_parser", "parse_args"]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="torchrun --nproc_per_node N -m fuelline.trainer",
                                 description="Train the multimodal emotion classifier on batches from data servers.")
     p.add_argument("--servers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                    help="the data servers; with several, each serves a disjoint part of every rank's share "
                         "(start them with the same dataset and options)")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--compression", choices=["none", "fp16", "onebit"], default="none")
-    p.add_argument("--optimizer", choices=["sgd", "adam", "onebit-adam"], default="adam")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--epochs", type=int, default=10, help="epochs to train (a resumed run counts the ones done)")
+    p.add_argument("--compression", choices=["none", "fp16", "onebit"], default="none",
+                   help="how gradients cross the ranks: fp32 all-reduce, fp16, or 1-bit signs with error feedback")
+    p.add_argument("--optimizer", choices=["sgd", "adam", "onebit-adam"], default="adam",
+                   help="onebit-adam: Adam, then frozen variance and 1-bit compressed momentum")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     p.add_argument("--momentum", type=float, default=0.9, help="for sgd")
     p.add_argument("--l2", type=float, default=1e-4, help="λ of the λ‖θ‖₂ term")
     p.add_argument("--weighting", choices=["dwa", "lstm", "none"], default="dwa", help="how α_m(t) is set per epoch")
@@ -26,18 +28,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--width", type=int, default=32, help="feature width of the encoders")
     p.add_argument("--warmup-iters", type=int, default=10, help="plain all-reduce steps before onebit compresses")
     p.add_argument("--freeze-step", type=int, default=100, help="onebit-adam: plain Adam steps before the variance freezes")
-    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-dir", default=None, help="per-rank checkpoints (model, optimizer, data position)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: each epoch only)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--max-steps", type=int, default=0, help="stop (after a checkpoint) once this run made N steps")
     p.add_argument("--metrics-json", default=None, help="append one JSON line per epoch here")
     p.add_argument("--sample-log", default=None, help="per rank, append each step's sample_ids to FILE.rankR")
-    p.add_argument("--hwm", type=int, default=10)
+    p.add_argument("--hwm", type=int, default=10, help="batches each rank prefetches from its data servers")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to keep trying a silent data server")
     p.add_argument("--curve-keys", default=None, metavar="DIR",
                    help="connect with CURVE: DIR holds client.key_secret and the server's server.key")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model's initialisation")
     p.add_argument("--micro-batch", type=int, default=None, help="CUDA: skip the probe and use this micro-batch")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="least severe log records shown")
+    p.add_argument("--log-format", default="text", choices=["text", "json"],
+                   help="log lines for people (text, with a progress bar on a terminal) or one JSON object per "
+                        "line for log shippers (json; progress is log records then)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     servers = [s for s in args.servers.split(",") if s]
     for server in servers:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from typing import Any, Sequence
 
@@ -24,6 +23,9 @@ from fuelline.trainer.dynamic_batch import MicroBatcher
 from fuelline.trainer.losses import class_weights, l2_norm, make_weighting, modality_losses
 from fuelline.trainer.metrics import classification_report
 from fuelline.trainer.model import EmotionNet
+from fuelline.trainer.progress import EpochProgress, use_bar
+from fuelline.trainer.timing import GpuSampler, StepTimes, gpu_report, wait_share
+from fuelline.trainer.timing import report as timing_report
 
 __all__ = ["main"]
 
@@ -90,6 +92,8 @@ class Trainer:
         self.ckpt = Checkpoints(args.checkpoint_dir, rank, world) if args.checkpoint_dir else None
         self.step = 0
         self.epoch_sums: dict[str, float] = {}
+        self.gpu = GpuSampler.for_device(device)
+        self.progress_bar = use_bar(args.log_format)
         if rank == 0:
             log.info("classes %s, train windows per class %s, class weights %s", self.classes, counts,
                      None if self.weights is None else [round(w, 2) for w in self.weights.tolist()])
@@ -172,44 +176,61 @@ class Trainer:
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
             self.micro.size = int(t.item())
 
-    def train_epoch(self) -> dict[str, float] | None:
+    def train_epoch(self) -> dict[str, Any] | None:
         """One epoch (or its rest, after a resume); None if --max-steps stopped it part-way."""
         args = self.args
         it = self.train.get_epoch_iterator(as_dict=True)
         sums = self.epoch_sums
         sent0, elems0 = self.comm_state.bytes_sent, self.comm_state.elements
+        position = self.train.state_dict()
+        total = self.train.batches_per_epoch
+        done = 0 if position["history"] else position["cursor"]  # batches of this epoch before a resume
+        if total is not None:
+            done = min(done, total)
+        times = StepTimes(seed=self.rank)
+        self.gpu.reset(every=max(1, (total or 100) // 10))  # about ten samples an epoch
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        progress = EpochProgress(position["epoch"], total, initial=done, enabled=self.rank == 0, bar=self.progress_bar)
         started = time.perf_counter()
         steps_here = 0
-        while True:
-            t0 = time.perf_counter()
-            batch = next(it, None)
-            t1 = time.perf_counter()
-            if batch is None:
-                break
-            ids = batch.pop("sample_id").tolist()
-            batch.pop("t_start", None)
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            if self.micro.enabled and self.micro.size is None:
-                self._probe_micro_batch(batch)
-            self.optimizer.zero_grad(set_to_none=True)
-            self.micro.run(batch, self._forward_backward, lambda: self.optimizer.zero_grad(set_to_none=True), self.ddp.no_sync)
-            self.optimizer.step()
-            t2 = time.perf_counter()
-            self.step += 1
-            steps_here += 1
-            sums["steps"] = sums.get("steps", 0) + 1
-            sums["samples"] = sums.get("samples", 0) + len(ids)
-            sums["wait"] = sums.get("wait", 0.0) + (t1 - t0)
-            sums["step_time"] = sums.get("step_time", 0.0) + (t2 - t1)
-            if args.sample_log:
-                with open(f"{args.sample_log}.rank{self.rank}", "a") as f:
-                    f.write(json.dumps({"step": self.step, "epoch": self.train.state_dict()["epoch"], "ids": ids}) + "\n")
-            if args.checkpoint_every and self.step % args.checkpoint_every == 0:
-                self.checkpoint()
-            if args.max_steps and steps_here >= args.max_steps:
-                if not (args.checkpoint_every and self.step % args.checkpoint_every == 0):
+        try:
+            while True:
+                t0 = time.perf_counter()
+                batch = next(it, None)
+                t1 = time.perf_counter()
+                if batch is None:
+                    break
+                ids = batch.pop("sample_id").tolist()
+                batch.pop("t_start", None)
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+                if self.micro.enabled and self.micro.size is None:
+                    self._probe_micro_batch(batch)
+                self.optimizer.zero_grad(set_to_none=True)
+                self.micro.run(batch, self._forward_backward, lambda: self.optimizer.zero_grad(set_to_none=True), self.ddp.no_sync)
+                self.optimizer.step()
+                t2 = time.perf_counter()
+                self.step += 1
+                steps_here += 1
+                sums["steps"] = sums.get("steps", 0) + 1
+                sums["samples"] = sums.get("samples", 0) + len(ids)
+                sums["wait"] = sums.get("wait", 0.0) + (t1 - t0)
+                sums["step_time"] = sums.get("step_time", 0.0) + (t2 - t1)
+                times.record(t1 - t0, t2 - t1, arrival=t1)
+                self.gpu.maybe_sample(steps_here)
+                progress.update(done + steps_here, sums.get("loss", 0.0) / sums["steps"],
+                                wait_share(sums["wait"], sums["step_time"]))
+                if args.sample_log:
+                    with open(f"{args.sample_log}.rank{self.rank}", "a") as f:
+                        f.write(json.dumps({"step": self.step, "epoch": self.train.state_dict()["epoch"], "ids": ids}) + "\n")
+                if args.checkpoint_every and self.step % args.checkpoint_every == 0:
                     self.checkpoint()
-                return None
+                if args.max_steps and steps_here >= args.max_steps:
+                    if not (args.checkpoint_every and self.step % args.checkpoint_every == 0):
+                        self.checkpoint()
+                    return None
+        finally:
+            progress.close()
         seconds = time.perf_counter() - started
         sent = self.comm_state.bytes_sent - sent0
         elems = self.comm_state.elements - elems0
@@ -221,9 +242,32 @@ class Trainer:
             "step_time_s": sums.get("step_time", 0.0) / steps,
             "grad_bytes_per_element": sent / elems if elems else None,
             "per_modality_loss": {m: sums.get(f"L_{m}", 0.0) / steps for m in self.heads},
+            **self._timing(times, sums),
         }
         self.epoch_sums = {}
         return out
+
+    def _timing(self, times: StepTimes, sums: dict[str, float]) -> dict[str, Any]:
+        """The epoch's timing figures over every rank (one all_gather_object an epoch). The shares
+        are over the whole epoch, resumed or not; the percentiles over the steps this run made."""
+        mine = {
+            "times": times.state(),
+            "wait": sums.get("wait", 0.0),
+            "step": sums.get("step_time", 0.0),
+            "gpu": self.gpu.samples if self.gpu.read is not None else None,
+            "gpu_mem_mb": torch.cuda.max_memory_allocated(self.device) / 2**20 if self.device.type == "cuda" else None,
+        }
+        gathered: list = [None] * self.world
+        if dist.is_initialized():
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [mine]
+        mem = [g["gpu_mem_mb"] for g in gathered if g["gpu_mem_mb"] is not None]
+        return {
+            **timing_report([g["times"] for g in gathered], totals=[(g["wait"], g["step"]) for g in gathered]),
+            "gpu_util": gpu_report([g["gpu"] for g in gathered]),
+            "gpu_mem_max_mb": max(mem) if mem else None,
+        }
 
     def evaluate(self) -> dict[str, Any]:
         """Fused-head predictions over the whole val split (padding duplicates removed by sample_id)."""
@@ -296,7 +340,9 @@ class Trainer:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from fuelline.server.logs import configure_logging
+
+    configure_logging(args.log_level, args.log_format)
     rank, world, device = setup_distributed()
     trainer = Trainer(args, rank, world, device)
     try:

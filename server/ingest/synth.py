@@ -369,10 +369,11 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p = sub.add_parser("synth", help="write synthetic AMIGOS-like raw recordings",
                        description="Write synthetic AMIGOS-like raw recordings (the input of `fuelline convert`).")
     p.add_argument("out", help="folder to create; must not exist")
-    p.add_argument("--recordings", required=True, type=_checked(int, lambda v: v >= 1, ">= 1"))
+    p.add_argument("--recordings", required=True, type=_checked(int, lambda v: v >= 1, ">= 1"),
+                   help="recordings to write (participants × videos)")
     p.add_argument("--seconds", required=True, type=_checked(float, lambda v: 0 < v < math.inf, "> 0 and finite"),
                    help="length of each recording")
-    p.add_argument("--seed", required=True, type=int)
+    p.add_argument("--seed", required=True, type=int, help="the same seed writes the same files")
     p.add_argument("--video-dim", type=_checked(int, lambda v: v >= 1, ">= 1"), default=136,
                    help="video features per frame")
     p.add_argument("--drop", type=_checked(float, lambda v: 0 <= v < 0.5, "in [0, 0.5)"), default=0.002,
