@@ -30,6 +30,11 @@ log = logging.getLogger("fuelline.server")
 Item = tuple[str, list[Any]]
 
 
+def _writeable(value: Any) -> bool:
+    flags = getattr(value, "flags", None)
+    return flags is None or bool(flags.writeable)
+
+
 class Session:
     """A client connection's session; the serving loop owns its socket side."""
 
@@ -57,7 +62,7 @@ class Session:
         self._source = source
         self._recent = recent
         # A unit source never writes a batch's arrays again; a Fuel stream may reuse its buffers,
-        # so the memory tier keeps a copy of what it yields.
+        # so the memory tier keeps a copy of what it yields, unless the array is read-only.
         self._copy_for_recent = not getattr(source, "immutable_batches", False)
         # What a cached batch must have been prepared for, besides its client and position.
         self._request = (hello.split, hello.rank, hello.world_size, hello.history, sources)
@@ -151,7 +156,7 @@ class Session:
         try:
             for arrays in batches:
                 if recent is not None:
-                    kept = {k: np.array(v) for k, v in arrays.items()} if self._copy_for_recent else arrays
+                    kept = {k: np.array(v) if self._copy_for_recent and _writeable(v) else v for k, v in arrays.items()}
                     recent.put(h.client_id, self._request, epoch, seq, kept)
                 yield arrays
                 seq += 1

@@ -39,6 +39,7 @@ def start_server(
     heartbeat: float = 1.0,
     checksum: bool = True,
     curve_keys: str | None = None,
+    memory_cache: int = 10,
 ) -> None:
     """Serve a data stream to ``ServerDataStream`` clients until SIGTERM/SIGINT, as Fuel did.
 
@@ -54,10 +55,15 @@ def start_server(
         curve_keys: a directory made with ``fuelline keygen`` (``server.key_secret``, and
             ``authorized/`` with the public key of every client to accept): encrypt and
             authenticate with CURVE. None serves in the clear (a warning off loopback).
+        memory_cache: the last K batches sent to each client are kept, so a client that
+            reconnects gets them again without the stream being run again; writeable arrays are
+            copied for that (a stream may reuse its buffers): yield read-only arrays
+            (``arr.setflags(write=False)``) to spare the copy. 0 keeps none.
     """
     source = data_stream if hasattr(data_stream, "iter_batches") else FuelStreamSource(data_stream)
     curve = CurveConfig.from_dir(curve_keys) if curve_keys is not None else None
-    server = Server(source, host=host, port=port, hwm=hwm, heartbeat=heartbeat, checksum=checksum, curve=curve)
+    server = Server(source, host=host, port=port, hwm=hwm, heartbeat=heartbeat, checksum=checksum, curve=curve,
+                    memory_cache=memory_cache)
     server.bind()
     try:
         serve_until_signalled(server)
