@@ -56,9 +56,11 @@ def test_a_reconnecting_client_gets_its_batches_from_memory(server: Server, zmq_
     for old, new in zip(sent[1:], again):
         for name in old.arrays:
             np.testing.assert_array_equal(old.arrays[name], new.arrays[name])
-    assert server.recent.hits == prepared - 1  # batches 1..7 came from memory
-    assert server.recent.misses >= 13  # and only batches 8 on were prepared again
-    assert server.counters()["cache_memory_hits"] == prepared - 1
+    # Batches 1..7 came from memory (and an eighth, if the old session had prepared one more
+    # before it was replaced); only the rest was prepared again.
+    hits = server.recent.hits
+    assert prepared - 1 <= hits <= 8
+    assert server.counters()["cache_memory_hits"] == hits
 
 
 def test_another_request_or_a_bye_starts_afresh(server: Server, zmq_context: zmq.Context) -> None:
