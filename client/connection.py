@@ -198,6 +198,7 @@ class Connection:
             if self._sock is not None:
                 try:
                     self._send(Bye("client closing"))
+                    self._watch.detach()  # before the socket closes (see HandshakeWatch.detach)
                     # A moment for the Bye to leave (on the shared context, close does not block).
                     self._sock.close(linger=200)
                     self._sock = None
@@ -266,10 +267,10 @@ class Connection:
 
     def _close_socket(self) -> None:
         self._pending_credit = 0  # the next Hello's credit includes it
+        self._watch.detach()  # before the socket closes (see HandshakeWatch.detach)
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-        self._watch.detach()
         self._connected = False
 
     def _send(self, msg: Any) -> None:
@@ -395,6 +396,9 @@ class Connection:
                 self._backoff = self.BACKOFF_MIN
                 self._server_heartbeat = msg.heartbeat
                 self.welcome = msg
+                # The handshake is done: nothing more to learn from the monitor, whose unread
+                # events would pile up for as long as this socket lives.
+                self._watch.detach()
                 if msg.local is not None and self.transport == self.endpoint and self._shares_host(msg.local):
                     # The same session again over the Unix socket: the Hello there replaces this
                     # one, and batches sent meanwhile over TCP come again (from the server's memory).

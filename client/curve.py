@@ -151,6 +151,7 @@ class HandshakeWatch:
         self.last_failure = ""
         self._state = "none"  # of the latest event: "none", "connected", "succeeded", "failed"
         self._monitor: zmq.Socket | None = None
+        self._watched: zmq.Socket | None = None
         self._available = True
 
     def attach(self, sock: zmq.Socket) -> None:
@@ -160,12 +161,25 @@ class HandshakeWatch:
             # A fresh inproc address: pyzmq's default is named after the fd, which a closed
             # socket's monitor may still hold.
             self._monitor = sock.get_monitor_socket(self.EVENTS, addr=f"inproc://fuelline-monitor-{uuid.uuid4().hex}")
+            self._watched = sock
         except (zmq.ZMQError, NotImplementedError) as exc:
             log.debug("no handshake monitor for %s: %s", self.endpoint, exc)
             self._monitor, self._available = None, False
 
     def detach(self) -> None:
-        """Close the monitor (the watched socket may be open or closed already)."""
+        """Stop watching: call before the watched socket is closed.
+
+        libzmq sends each event to the monitor's PAIR socket with a blocking send, from its I/O
+        thread. With the reading end closed (or full) that send never returns, and every socket
+        of the context stops with it. So the watched socket stops reporting first, then the
+        reading end closes."""
+        if self._watched is not None:
+            if not self._watched.closed:
+                try:
+                    self._watched.disable_monitor()
+                except zmq.ZMQError as exc:
+                    log.debug("disabling the handshake monitor for %s: %s", self.endpoint, exc)
+            self._watched = None
         if self._monitor is not None:
             self._monitor.close(linger=0)
             self._monitor = None
