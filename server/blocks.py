@@ -4,6 +4,10 @@
 ``fuelline.server.ordering``), sharding, batch counts, and a per-client ``BlockReader`` that
 decodes whole blocks of units ahead of need. A source supplies how many rows each unit has and how
 to decode one unit into column arrays.
+
+Units are decoded on read-ahead threads of the serving process (``workers=0``) or, with
+``workers=N``, in N worker processes (``fuelline.server.workers``) that get a pickled copy of the
+source: ``__getstate__`` leaves out what belongs to the serving process alone.
 """
 
 from __future__ import annotations
@@ -12,15 +16,20 @@ import abc
 import functools
 import logging
 import os
+import pickle
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from fuelline.protocol import DataError
+from fuelline.server.counters import Counts
 from fuelline.server.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows, remaining_order
+
+if TYPE_CHECKING:
+    from fuelline.server.workers import WorkerPool
 
 __all__ = ["Column", "UnitSource", "BlockReader"]
 
@@ -42,6 +51,11 @@ class UnitSource(abc.ABC):
 
     _columns: Mapping[str, Any]
     _splits: Mapping[str, Any]
+    # Attributes a worker process's copy does without (set to None there): a subclass lists what
+    # only the serving process uses and would be costly or impossible to pickle.
+    _serving_only: tuple[str, ...] = ()
+    _TRANSIENT = ("_pool", "_pool_lock", "_process_pool")
+    immutable_batches = True  # batches are never written once yielded (the memory tier keeps them as they are)
 
     def __init__(
         self, *, batch_size: int, seed: int, shuffle: bool, block_units: int, on_bad_shard: str = "fail",
@@ -67,9 +81,29 @@ class UnitSource(abc.ABC):
         self.skipped: list[dict[str, str]] = []  # shards left out at start-up (skip mode)
         # Event counts for the server's metrics (cache hits and misses per tier, worker restarts...);
         # worker processes count in their own copy and send the increments back with each result.
-        self.counters: Counter[str] = Counter()
+        self.counters = Counts()
         self._pool: ThreadPoolExecutor | None = None
+        self._process_pool: WorkerPool | None = None
         self._pool_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy for a worker process: no pools or locks (they belong to this process), and
+        ``workers`` 0, since the copy decodes on its own and never starts workers of its own.
+        ``counters`` is copied as it is (members may share it); the worker sends back what it
+        adds to it after each task."""
+        state = self.__dict__.copy()
+        for name in (*self._TRANSIENT, *self._serving_only):
+            state.pop(name, None)
+        state["workers"] = 0
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pool = None
+        self._process_pool = None
+        self._pool_lock = threading.Lock()
+        for name in self._serving_only:
+            setattr(self, name, None)
 
     # -- what a subclass supplies ---------------------------------------------------------------
     @abc.abstractmethod
@@ -86,7 +120,13 @@ class UnitSource(abc.ABC):
 
     def prefetch_units(self, split: str, units: Sequence[int]) -> None:
         """Start fetching what decoding ``units`` will need (remote shards into the local cache)
-        in the background; the default has nothing to fetch."""
+        in the background; the default has nothing to fetch. Called in the serving process (not
+        in workers), with the units of the ``prefetch`` blocks after the one being read ahead,
+        in the order they will be needed."""
+
+    def describe_unit(self, split: str, u: int) -> str:
+        """A unit as a person would name it in a log line (its file, row group, recording)."""
+        return f"unit {u} of split {split}"
 
     def finish_batch(self, split: str, batch: dict[str, np.ndarray], sources: tuple[str, ...]) -> dict[str, np.ndarray]:
         """Last touches on a gathered batch (preprocessing stages), keeping ``sources``; the
@@ -126,6 +166,28 @@ class UnitSource(abc.ABC):
                 self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="fuelline-read")
             return self._pool
 
+    def _worker_pool(self) -> WorkerPool:
+        """The worker processes, one pool for every client, started on first use."""
+        from fuelline.server.workers import WorkerError, WorkerPool
+
+        with self._pool_lock:
+            if self._process_pool is None:
+                try:
+                    pool = WorkerPool(self, self.workers)
+                except (pickle.PicklingError, TypeError, AttributeError) as exc:
+                    raise WorkerError(f"--workers: this source cannot be copied into worker processes: {exc}") from exc
+                pool.start()
+                self._process_pool = pool
+            return self._process_pool
+
+    def _submitter(self, split: str, columns: Sequence[Column]) -> Callable[[int], Future]:
+        """How a reader has unit ``u`` decoded: by a worker process, or on a read-ahead thread."""
+        if self.workers:
+            workers = self._worker_pool()
+            return lambda u: workers.submit(split, u, columns)
+        threads = self._readahead_pool()
+        return lambda u: threads.submit(self.decode_unit, split, u, columns)
+
     def iter_batches(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
         on_loss: Callable[[str], None] | None = None,
@@ -141,9 +203,9 @@ class UnitSource(abc.ABC):
         count = -(-len(rows) // self.batch_size) if len(order) else 0
         columns = list(self.column_specs(sources))
         reader = BlockReader(
-            self.unit_rows(split), columns, plan, self._readahead_pool(),
-            lambda u: self.decode_unit(split, u, columns),
+            self.unit_rows(split), columns, plan, self._submitter(split, columns),
             skip_bad=self.on_bad_shard == "skip", on_loss=on_loss,
+            prefetch=lambda units: self.prefetch_units(split, units), prefetch_blocks=self.prefetch,
         )
         try:
             for b in range(start, count):
@@ -152,17 +214,29 @@ class UnitSource(abc.ABC):
         finally:
             reader.close()
 
+    def worker_pids(self) -> list[int]:
+        """The worker processes running now (none before the first client, or with ``workers`` 0)."""
+        pool = self._process_pool
+        return pool.alive_pids if pool is not None else []
+
     def close(self) -> None:
         self._plan.cache_clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._pool_lock:
+            pool, self._pool = self._pool, None
+            workers, self._process_pool = self._process_pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+        if workers is not None:
+            workers.close()
 
 
 class BlockReader:
     """One client's reader. It holds the block a batch draws from (and the next one, for a
     batch that straddles two) as one table per column, so a shuffled batch is one gather per
     column and each row group is decoded once per epoch. While a block is served, the next one
-    is decoded on the source's read-ahead threads, so decoding overlaps sending."""
+    is decoded ahead (``submit``: on the source's read-ahead threads or worker processes), so
+    decoding overlaps sending; and ``prefetch`` hears of the units of the ``prefetch_blocks``
+    blocks after that one, so remote shards can be fetched before they are decoded."""
 
     BLOCKS_HELD = 2
 
@@ -171,10 +245,11 @@ class BlockReader:
         unit_rows: np.ndarray,
         columns: Sequence[Column],
         plan: EpochPlan,
-        pool: ThreadPoolExecutor,
-        decode: Callable[[int], dict[str, np.ndarray]],
+        submit: Callable[[int], Future],
         skip_bad: bool = False,
         on_loss: Callable[[str], None] | None = None,
+        prefetch: Callable[[list[int]], None] | None = None,
+        prefetch_blocks: int = 0,
     ) -> None:
         self.skip_bad = skip_bad
         self.on_loss = on_loss
@@ -183,8 +258,10 @@ class BlockReader:
         self.unit_start = np.concatenate([[0], np.cumsum(unit_rows)[:-1]]).astype(np.int64)
         self.columns = columns
         self.plan = plan
-        self.pool = pool
-        self.decode = decode
+        self.submit = submit
+        self.prefetch = prefetch
+        self.prefetch_blocks = prefetch_blocks
+        self.prefetched = 0  # blocks 1 … prefetched were handed to prefetch already
         k = plan.block_units
         perm = plan.unit_perm
         self.n_blocks = -(-len(perm) // k)
@@ -197,23 +274,41 @@ class BlockReader:
         self.unit_pos = np.empty(len(perm), dtype=np.int64)
         self.unit_pos[perm] = within - block_start
         self.blocks: OrderedDict[int, dict[str, np.ndarray] | None] = OrderedDict()
-        self.pending: dict[int, list[tuple[int, Future]]] = {}
+        self.pending: dict[int, list[tuple[int, Future | None]]] = {}
         self._read_ahead(0)  # the first block too: its units decode side by side, not one by one
 
     def _units(self, b: int) -> list[int]:
         k = self.plan.block_units
         return [int(u) for u in self.plan.unit_perm[b * k : (b + 1) * k] if self.unit_rows[u]]
 
+    def _submit_block(self, b: int) -> list[tuple[int, Future | None]]:
+        # Each unit is its own task, so a block's units are decoded side by side.
+        # (Not a unit already lost this epoch: it would only fail again.)
+        jobs = [(u, None if u in self.lost else self.submit(u)) for u in self._units(b)]
+        self._prefetch_after(b)
+        return jobs
+
+    def _prefetch_after(self, b: int) -> None:
+        last = min(b + self.prefetch_blocks, self.n_blocks - 1)
+        first = max(b + 1, self.prefetched + 1)
+        if self.prefetch is None or first > last:
+            return
+        self.prefetched = last
+        units = [u for c in range(first, last + 1) for u in self._units(c)]
+        try:
+            self.prefetch(units)
+        except Exception:  # only a head start: decoding fetches what is missing, and says why
+            log.warning("prefetching blocks %d-%d failed", first, last, exc_info=True)
+
     def _read_ahead(self, b: int) -> None:
-        # Each unit is its own task, so the read-ahead threads decode a block's units side by side.
         if b < self.n_blocks and b not in self.blocks and b not in self.pending:
-            self.pending[b] = [(u, self.pool.submit(self.decode, u)) for u in self._units(b)]
+            self.pending[b] = self._submit_block(b)
 
     def _result(self, u: int, future: Future | None) -> dict[str, np.ndarray] | None:
-        if u in self.lost:
+        if u in self.lost or future is None:
             return None  # reported once; the wrap-around padding may ask again
         try:
-            return future.result() if future is not None else self.decode(u)
+            return future.result()
         except DataError as exc:
             if not self.skip_bad:
                 raise
@@ -226,13 +321,15 @@ class BlockReader:
 
     def _build(self, b: int) -> dict[str, np.ndarray] | None:
         ahead = self.pending.pop(b, None)
-        jobs = ahead if ahead is not None else [(u, None) for u in self._units(b)]
+        jobs = ahead if ahead is not None else self._submit_block(b)
         parts = [(u, part) for u, part in ((u, self._result(u, f)) for u, f in jobs) if part is not None]
         if not parts:
             return None  # every unit of the block was lost: its rows are filtered out by gather
         if len(jobs) == 1:
             return parts[0][1]  # nothing to mix: the decoded arrays as they are
-        rows = int(sum(self.unit_rows[u] for u, _ in parts))
+        # Room for every unit of the block, lost ones too: rows sit at their units' positions, and
+        # gather never reads the rows of a lost unit.
+        rows = int(sum(self.unit_rows[u] for u, _ in jobs))
         data = {c.name: np.empty((rows, *c.shape), dtype=c.dtype) for c in self.columns}
         for u, part in parts:
             lo = int(self.unit_pos[u])
@@ -283,6 +380,7 @@ class BlockReader:
     def close(self) -> None:
         for ahead in self.pending.values():
             for _, future in ahead:
-                future.cancel()
+                if future is not None:
+                    future.cancel()
         self.pending.clear()
         self.blocks.clear()

@@ -48,19 +48,21 @@ def _seconds(text: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuelline", description="Stream training batches from data servers.")
-    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="least severe log records shown")
     parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                         help="log lines for people (text) or one JSON object per line for log shippers (json)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a Parquet dataset")
-    serve.add_argument("dataset", help="directory of Parquet files, or of split folders of them")
+    serve.add_argument("dataset", help="directory of Parquet files, or of split folders of them, or a "
+                                       "converted dataset; local or a URI (s3://bucket/prefix, file://...)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=5557, help="TCP port; 0 picks a free one")
     serve.add_argument("--hwm", type=_positive_int, default=10, help="batches in flight per client")
-    serve.add_argument("--batch-size", type=_positive_int, default=64)
-    serve.add_argument("--seed", type=int, default=0)
-    serve.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True)
+    serve.add_argument("--batch-size", type=_positive_int, default=64, help="rows (windows) per batch")
+    serve.add_argument("--seed", type=int, default=0, help="seeds every epoch's order, with the epoch number")
+    serve.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
+                       help="shuffle across shards each epoch (off: storage order)")
     serve.add_argument("--shuffle-block", type=_positive_int, default=8, help="row groups whose rows are mixed together")
     serve.add_argument("--heartbeat", type=_seconds, default=1.0, help="seconds of silence before a heartbeat")
     serve.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True, help="xxh3 checksum per array")
@@ -96,26 +98,27 @@ def build_parser() -> argparse.ArgumentParser:
     multimodal.add_argument("--window", type=float, default=2.0, help="window length in seconds")
     multimodal.add_argument("--hop", type=float, default=1.0, help="seconds between window starts")
     multimodal.add_argument("--max-gap", type=int, default=2, help="most missing samples in a row in a valid window")
-    multimodal.add_argument("--normalize", choices=["zscore", "none"], default="zscore")
+    multimodal.add_argument("--normalize", choices=["zscore", "none"], default="zscore",
+                            help="per-channel z-score with the train split's statistics, or none")
     multimodal.add_argument("--stage", action="append", default=[], metavar="MODULE:FUNCTION",
                             help="a preprocessing stage run on every batch (repeatable, in order)")
 
     sample = sub.add_parser("sample", help="write the built-in sample Parquet dataset")
-    sample.add_argument("out")
-    sample.add_argument("--rows", type=_positive_int, default=10_000)
-    sample.add_argument("--dim", type=_positive_int, default=16)
-    sample.add_argument("--files", type=_positive_int, default=4)
-    sample.add_argument("--row-group-rows", type=_positive_int, default=1_000)
+    sample.add_argument("out", help="folder to write (train/ and val/ Parquet files)")
+    sample.add_argument("--rows", type=_positive_int, default=10_000, help="rows in all, four fifths of them train")
+    sample.add_argument("--dim", type=_positive_int, default=16, help="length of the features vector")
+    sample.add_argument("--files", type=_positive_int, default=4, help="Parquet files per split")
+    sample.add_argument("--row-group-rows", type=_positive_int, default=1_000, help="rows per row group")
 
     stream = sub.add_parser("stream", help="read epochs from a server and report throughput")
     stream.add_argument("endpoint", metavar="HOST:PORT[,HOST:PORT...]",
                         help="a data server, or several serving the same dataset with the same options")
-    stream.add_argument("--epochs", type=_positive_int, default=1)
-    stream.add_argument("--split", default="train")
-    stream.add_argument("--rank", type=int, default=0)
-    stream.add_argument("--world-size", type=_positive_int, default=1)
-    stream.add_argument("--hwm", type=_positive_int, default=10)
-    stream.add_argument("--timeout", type=_seconds, default=60.0)
+    stream.add_argument("--epochs", type=_positive_int, default=1, help="epochs to read")
+    stream.add_argument("--split", default="train", help="which split to read")
+    stream.add_argument("--rank", type=int, default=0, help="read this rank's share")
+    stream.add_argument("--world-size", type=_positive_int, default=1, help="of this many ranks")
+    stream.add_argument("--hwm", type=_positive_int, default=10, help="batches prefetched")
+    stream.add_argument("--timeout", type=_seconds, default=60.0, help="seconds to keep trying a silent server")
     stream.add_argument("--json", action="store_true", help="print one JSON object per epoch")
     stream.add_argument("--curve-keys", default=None, metavar="DIR",
                         help="connect with CURVE: DIR holds client.key_secret and the server's server.key")
@@ -196,7 +199,10 @@ def _serve(args: argparse.Namespace) -> int:
             serve_metrics(server, args.metrics_port, args.metrics_host)
         except OSError as exc:
             raise DataError(f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: {exc}") from None
-    serve_until_signalled(server)
+    try:
+        serve_until_signalled(server)
+    finally:
+        source.close()  # worker processes, prefetch threads
     return 0
 
 

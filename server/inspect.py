@@ -10,30 +10,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
 __all__ = ["register", "describe"]
 
 
-def _disk_bytes(root: str) -> int:
-    if os.path.isfile(root):
-        return os.path.getsize(root)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
-
-
-def describe(path: str, window: float = 2.0, hop: float = 1.0, max_gap: int = 2) -> dict[str, Any]:
-    """Everything ``inspect`` prints, as plain data."""
+def describe(
+    path: str, window: float = 2.0, hop: float = 1.0, max_gap: int = 2, cache_dir: str | None = None, cache_mb: int = 10240,
+) -> dict[str, Any]:
+    """Everything ``inspect`` prints, as plain data. ``path`` may be a URI (``s3://…``); a remote
+    dataset's footers are read by range, and the one recording decoded to probe the served
+    columns goes through the disk cache in ``cache_dir``."""
     from fuelline.server.ingest.manifest import is_converted_dataset
+    from fuelline.server.storage import Store
 
-    disk = _disk_bytes(path) if os.path.exists(path) else 0
-    if is_converted_dataset(path):
+    store = Store(path, cache_dir=cache_dir, cache_mb=cache_mb)
+    disk = store.total_bytes()
+    name = store.where()
+    if is_converted_dataset(store):
         from fuelline.server.windows.source import WindowSource
 
-        src = WindowSource(path, window=window, hop=hop, max_gap=max_gap, normalize="none")
+        src = WindowSource(path, window=window, hop=hop, max_gap=max_gap, normalize="none", cache_dir=cache_dir, cache_mb=cache_mb)
         m = src.manifest
         return {
-            "dataset": path,
+            "dataset": name,
             "kind": "multimodal",
             "window": {"length": window, "hop": hop, "max_gap": max_gap},
             "modalities": {k: {"rate": v.rate, "channels": len(v.channels)} for k, v in m.modalities.items()},
@@ -53,9 +53,9 @@ def describe(path: str, window: float = 2.0, hop: float = 1.0, max_gap: int = 2)
         }
     from fuelline.server.parquet_source import ParquetSource
 
-    src = ParquetSource(path)
+    src = ParquetSource(path, cache_dir=cache_dir, cache_mb=cache_mb)
     return {
-        "dataset": path,
+        "dataset": name,
         "kind": "parquet",
         "sources": src.schema(),
         "not_served": dict(src.unservable),
@@ -88,7 +88,7 @@ def _print(report: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = describe(args.dataset, args.window, args.hop, args.max_gap)
+    report = describe(args.dataset, args.window, args.hop, args.max_gap, args.cache_dir, args.cache_mb)
     if args.json:
         print(json.dumps(report, indent=1))
     else:
@@ -98,9 +98,12 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("inspect", help="what a dataset holds and what a server would serve")
-    p.add_argument("dataset")
+    p.add_argument("dataset", help="a local path, or a URI such as s3://bucket/prefix")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--window", type=float, default=2.0, help="window length in seconds (multimodal)")
     p.add_argument("--hop", type=float, default=1.0, help="seconds between window starts (multimodal)")
     p.add_argument("--max-gap", type=int, default=2, help="most missing samples in a row (multimodal)")
+    p.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="local copies of remote files (default: $XDG_CACHE_HOME/fuelline or ~/.cache/fuelline)")
+    p.add_argument("--cache-mb", type=int, default=10240, help="most megabytes of files kept in --cache-dir")
     p.set_defaults(func=run)

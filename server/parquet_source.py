@@ -9,9 +9,8 @@ row group; the order of an epoch is ``fuelline.server.ordering.epoch_order``.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -19,6 +18,7 @@ import pyarrow.parquet as pq
 from fuelline.protocol import DataError
 from fuelline.server.columns import ColumnSpec, column_spec, to_numpy
 from fuelline.server.blocks import UnitSource
+from fuelline.server.storage import Store, storage_info
 
 __all__ = ["ParquetSource", "find_splits"]
 
@@ -27,42 +27,49 @@ log = logging.getLogger("fuelline.server")
 DEFAULT_SPLIT = "train"
 
 
-def _parquet_files(folder: str) -> list[str]:
-    return sorted(
-        os.path.join(folder, name)
-        for name in os.listdir(folder)
-        if name.endswith(".parquet") and os.path.isfile(os.path.join(folder, name))
-    )
+def _parquet_files(store: Store, folder: str) -> list[str]:
+    return [f.rel for f in store.list(folder)[0] if f.rel.endswith(".parquet")]
 
 
-def find_splits(path: str) -> dict[str, list[str]]:
-    """Map split name to its Parquet files, per the layout in this module's docstring."""
-    if not os.path.exists(path):
-        raise DataError(f"dataset {path!r} does not exist")
-    if os.path.isfile(path):
-        if not path.endswith(".parquet"):
-            raise DataError(f"dataset {path!r} is a file but not a .parquet file")
-        return {DEFAULT_SPLIT: [path]}
-    top = _parquet_files(path)
-    subdirs = sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
-    nested = {d: _parquet_files(os.path.join(path, d)) for d in subdirs}
+def find_splits(path: str | Store) -> dict[str, list[str]]:
+    """Map split name to its Parquet files, per the layout in this module's docstring. With a path,
+    the files are paths; with a ``Store``, paths relative to its root ("" for a single-file dataset)."""
+    if isinstance(path, Store):
+        return _find_splits(path)
+    store = Store(path)
+    return {k: [store.where(rel) for rel in v] for k, v in _find_splits(store).items()}
+
+
+def _find_splits(store: Store) -> dict[str, list[str]]:
+    where = store.where()
+    kind = store.kind()
+    if kind is None:
+        raise DataError(store.missing())
+    if kind == "file":
+        if not where.endswith(".parquet"):
+            raise DataError(f"dataset {where!r} is a file but not a .parquet file")
+        return {DEFAULT_SPLIT: [""]}
+    files, subdirs = store.list()
+    top = [f.rel for f in files if f.rel.endswith(".parquet")]
+    nested = {d: _parquet_files(store, d) for d in subdirs}
     nested = {d: files for d, files in nested.items() if files}
     if top and nested:
         raise DataError(
-            f"dataset {path!r} holds Parquet files both at its top and in split folders "
+            f"dataset {where!r} holds Parquet files both at its top and in split folders "
             f"{sorted(nested)}; put every file in a split folder"
         )
     if top:
         return {DEFAULT_SPLIT: top}
     if not nested:
-        raise DataError(f"dataset {path!r} holds no .parquet files (neither directly nor in split folders)")
+        raise DataError(f"dataset {where!r} holds no .parquet files (neither directly nor in split folders)")
     return nested
 
 
 @dataclass
 class _Split:
     name: str
-    files: list[str]
+    files: list[str]  # per file: how messages name it (its path, or its URI)
+    rels: list[str]  # per file: its path relative to the dataset root, for the store
     unit_file: np.ndarray  # per unit: index into files
     unit_group: np.ndarray  # per unit: row group index within its file
     unit_rows: np.ndarray
@@ -77,12 +84,15 @@ class ParquetSource(UnitSource):
     """Batches of a Parquet dataset, deterministically ordered, sharded per rank.
 
     Args:
-        path: the dataset directory (or one .parquet file).
+        path: the dataset directory (or one .parquet file): a local path or a URI such as
+            ``s3://bucket/prefix`` (see ``fuelline.server.storage``).
         batch_size: rows per batch; the last batch of an epoch may be shorter.
         seed: seeds every epoch's order together with the epoch number.
         shuffle: False serves rows in storage order.
         block_units: row groups whose rows are mixed together (bounds memory per client to
             ``2 × block_units + 1`` decoded row groups).
+        prefetch: blocks ahead whose remote files are fetched into the disk cache in the background.
+        cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache``).
 
     Raises:
         DataError: the path holds no Parquet, files disagree on a column's type, a split is empty.
@@ -99,25 +109,32 @@ class ParquetSource(UnitSource):
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units,
                          on_bad_shard=on_bad_shard, workers=workers, prefetch=prefetch)
         self.path = path
+        self.store = Store(path, cache_dir=cache_dir, cache_mb=cache_mb, counters=self.counters)
         self._columns: dict[str, ColumnSpec] = {}
         self.unservable: dict[str, str] = {}
-        self._splits = {name: self._scan(name, files) for name, files in find_splits(path).items()}
+        self._splits = {name: self._scan(name, files) for name, files in find_splits(self.store).items()}
         if not self._columns:
             raise DataError(
-                f"dataset {path!r} has no servable columns: " + "; ".join(self.unservable.values())
+                f"dataset {self.store.where()!r} has no servable columns: " + "; ".join(self.unservable.values())
             )
         for reason in self.unservable.values():
             log.warning("not serving %s", reason)
 
     # -- scanning ----------------------------------------------------------------------------
-    def _scan(self, split: str, files: list[str]) -> _Split:
+    def _scan(self, split: str, rels: list[str]) -> _Split:
         unit_file, unit_group, unit_rows, unit_bytes, metadata = [], [], [], [], []
         disk = 0
         kept: list[str] = []
-        for f in files:
+        kept_rels: list[str] = []
+        for rel in rels:
+            f = self.store.where(rel)
             try:
                 try:
-                    meta = pq.read_metadata(f)
+                    if self.store.remote:
+                        with self.store.open(rel) as handle:  # the footer alone, by range
+                            meta = pq.read_metadata(handle)
+                    else:
+                        meta = pq.read_metadata(f)
                     schema = meta.schema.to_arrow_schema()
                 except Exception as exc:
                     raise DataError(f"shard {f}: not a readable Parquet file ({exc})") from None
@@ -130,8 +147,9 @@ class ParquetSource(UnitSource):
                 continue
             i = len(kept)
             kept.append(f)
+            kept_rels.append(rel)
             metadata.append(meta)
-            disk += os.path.getsize(f)
+            disk += self.store.stat(rel).size
             for g in range(meta.num_row_groups):
                 rg = meta.row_group(g)
                 if rg.num_rows:
@@ -141,10 +159,11 @@ class ParquetSource(UnitSource):
                     unit_bytes.append(rg.total_byte_size)
         rows = np.asarray(unit_rows, dtype=np.int64)
         if not rows.sum():
-            raise DataError(f"split {split!r} of dataset {self.path!r} holds no rows")
+            raise DataError(f"split {split!r} of dataset {self.store.where()!r} holds no rows")
         return _Split(
             name=split,
             files=kept,
+            rels=kept_rels,
             unit_file=np.asarray(unit_file, dtype=np.int64),
             unit_group=np.asarray(unit_group, dtype=np.int64),
             unit_rows=rows,
@@ -196,6 +215,7 @@ class ParquetSource(UnitSource):
             "shuffle": self.shuffle,
             "shuffle_block": self.block_units,
             "skipped_shards": [x for x in self.skipped if x["split"] == split],
+            "storage": storage_info(self.store),
         }
 
     def memory_per_client(self, split: str) -> int:
@@ -210,6 +230,10 @@ class ParquetSource(UnitSource):
     def column_specs(self, sources: tuple[str, ...]) -> list[ColumnSpec]:
         return [self._columns[n] for n in sources]
 
+    def describe_unit(self, split: str, u: int) -> str:
+        sp = self._splits[split]
+        return f"shard {sp.files[int(sp.unit_file[u])]}, row group {int(sp.unit_group[u])}"
+
     def decode_unit(self, split: str, u: int, columns: list[ColumnSpec]) -> dict[str, np.ndarray]:
         sp = self._splits[split]
         f, g = int(sp.unit_file[u]), int(sp.unit_group[u])
@@ -217,10 +241,30 @@ class ParquetSource(UnitSource):
         where = f"shard {path}, row group {g}"
         try:
             # A handle per read: read-ahead threads share nothing, and the cached footer makes
-            # opening cheap.
-            with pq.ParquetFile(path, metadata=sp.metadata[f], memory_map=True) as pf:
+            # opening cheap. A remote file is read from its disk-cache copy, fetched if need be.
+            source = self.store.open_local(sp.rels[f]) if self.store.remote else path
+            with pq.ParquetFile(source, metadata=sp.metadata[f], memory_map=True) as pf:
                 table = pf.read_row_group(g, columns=[c.name for c in columns])
         except Exception as exc:
             raise DataError(f"{where}: {exc}") from None
         return {c.name: to_numpy(table.column(c.name), c, where) for c in columns}
+
+    def prefetch_units(self, split: str, units: Sequence[int]) -> None:
+        """Fetch the files of these units into the disk cache in the background (remote only)."""
+        if self.store.remote:
+            sp = self._splits[split]
+            self.store.prefetch(dict.fromkeys(sp.rels[int(sp.unit_file[u])] for u in units))
+
+    def close(self) -> None:
+        super().close()
+        self.store.close()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy in a worker process may get counters of its own: the store counts into them.
+        parent = getattr(super(), "__setstate__", None)
+        if parent is not None:
+            parent(state)
+        else:
+            self.__dict__.update(state)
+        self.store.counters = self.counters
 

@@ -96,3 +96,16 @@ def test_json_logs_are_one_object_per_line(sample_dataset: Path, start_serve) ->
     records = [json.loads(line) for line in server.log().splitlines() if line.strip()]
     assert records and all({"time", "level", "logger", "message"} <= r.keys() for r in records)
     assert any(r["message"].startswith("split 'train'") and r["level"] == "INFO" for r in records)
+
+
+def test_worker_processes_are_exported(sample_dataset: Path, start_serve) -> None:
+    server = start_serve(sample_dataset, "--batch-size", "500", "--workers", "1", "--metrics-port", "0")
+    port = metrics_port(server)
+    with ServerDataStream(endpoints=[server.endpoint], timeout=TIMEOUT) as s:
+        batches = sum(1 for _ in s.get_epoch_iterator())
+    samples = scrape(port)
+    assert batches == 16
+    assert samples[("fuelline_workers_configured", ())] == 1
+    assert samples[("fuelline_workers_alive", ())] == 1
+    assert samples[("fuelline_worker_tasks_total", ())] >= 16  # every row group of the train split
+    assert samples[("fuelline_worker_restarts_total", ())] == 0

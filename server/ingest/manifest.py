@@ -19,9 +19,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from fuelline.protocol import DataError
+
+if TYPE_CHECKING:
+    from fuelline.server.storage import Store
 
 __all__ = [
     "FORMAT",
@@ -177,17 +180,33 @@ class Manifest:
             json.dump(self.to_json(), f, indent=1)
 
     @classmethod
-    def load(cls, root: str) -> "Manifest":
-        path = os.path.join(root, MANIFEST_NAME)
+    def load(cls, root: "str | Store") -> "Manifest":
+        """The manifest of a dataset: a local path, a URI (``s3://…``) or a ``Store``."""
+        from fuelline.server.storage import Store
+
+        store = root if isinstance(root, Store) else Store(root)
+        path = store.where(MANIFEST_NAME)
         try:
-            with open(path) as f:
-                data = json.load(f)
+            data = json.loads(store.read_bytes(MANIFEST_NAME))
         except OSError as exc:
             raise DataError(f"{path}: cannot read the manifest ({exc.strerror})") from None
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{path}: not valid JSON ({exc})") from None
         except json.JSONDecodeError as exc:
             raise DataError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
         return cls.from_json(data, where=path)
 
 
-def is_converted_dataset(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, MANIFEST_NAME))
+def is_converted_dataset(path: "str | Store") -> bool:
+    """Whether a dataset (a local path, a URI or a ``Store``) has a manifest at its root.
+
+    Raises:
+        DataError: a remote dataset's filesystem cannot be resolved or reached (naming the URI),
+            rather than answering False and failing again, slower, as a Parquet dataset.
+    """
+    from fuelline.server.storage import Store, is_uri
+
+    if isinstance(path, str) and not is_uri(path):
+        return os.path.isfile(os.path.join(path, MANIFEST_NAME))
+    store = path if isinstance(path, Store) else Store(path)
+    return store.kind(MANIFEST_NAME) == "file"

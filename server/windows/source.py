@@ -13,7 +13,6 @@ float64 [B] (window start, master clock), plus whatever the user's stages add.
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -24,6 +23,7 @@ import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError
 from fuelline.server.blocks import UnitSource
+from fuelline.server.storage import Store, storage_info
 from fuelline.server.ingest.manifest import MODALITIES, Manifest, Recording
 from fuelline.server.windows.align import Signal, Validity, WindowSpec, resample, validity
 from fuelline.server.windows.stages import Cast, Normalize, Pipeline, Stage
@@ -57,12 +57,17 @@ class WindowSource(UnitSource):
     """Aligned, windowed, normalised batches of a converted dataset, deterministically ordered.
 
     Args:
-        path: the dataset root (holding manifest.json).
+        path: the dataset root (holding manifest.json): a local path or a URI such as
+            ``s3://bucket/prefix`` (see ``fuelline.server.storage``).
         window, hop, max_gap: see ``fuelline.server.windows.align``.
         normalize: "zscore" (per channel, train-split statistics) or "none".
         stages: user stages run on every batch after normalisation (see ``stages``).
         batch_size, seed, shuffle, block_units: as for every unit source.
+        prefetch: blocks ahead whose remote files are fetched into the disk cache in the background.
+        cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache``).
     """
+
+    _serving_only = ("pipeline",)  # the per-batch stages run here, never in worker processes
 
     def __init__(
         self,
@@ -92,13 +97,14 @@ class WindowSource(UnitSource):
         except ValueError as exc:
             raise DataError(str(exc)) from None
         self.root = path
+        self.store = Store(path, cache_dir=cache_dir, cache_mb=cache_mb, counters=self.counters)
         self._footers: dict[str, Any] = {}
-        self.manifest = Manifest.load(path)
+        self.manifest = Manifest.load(self.store)
         self.normalize = normalize
         self.modalities = [m for m in MODALITIES if m in self.manifest.modalities]
         missing = sorted(set(MODALITIES) - set(self.modalities))
         if missing:
-            raise DataError(f"{path}: the manifest lacks modalities {missing}")
+            raise DataError(f"{self.store.where()}: the manifest lacks modalities {missing}")
         # Normalisation works window by window, so it runs per recording, in place, where the
         # windows are made; the user's stages and the cast run per batch.
         self.per_recording = Pipeline([Normalize(self.manifest.stats, in_place=True)] if normalize == "zscore" else [])
@@ -106,7 +112,7 @@ class WindowSource(UnitSource):
         self._base = self._base_columns()
         self._splits = {name: self._scan(name) for name in self.manifest.splits}
         if not self._splits:
-            raise DataError(f"{path}: the manifest lists no recordings")
+            raise DataError(f"{self.store.where()}: the manifest lists no recordings")
         self._columns = self._probe_columns()
 
     # -- start-up --------------------------------------------------------------------------------
@@ -119,16 +125,26 @@ class WindowSource(UnitSource):
         cols += [WindowColumn("label", "<i8", ()), WindowColumn("sample_id", "<i8", ()), WindowColumn("t_start", "<f8", ())]
         return cols
 
-    def _read(self, rec: Recording, modality: str, columns: list[str]) -> Any:
+    def _read(self, rec: Recording, modality: str, columns: list[str], ranged: bool = False) -> Any:
+        """One row group's columns. A remote file is read from its disk-cache copy, or, with
+        ``ranged`` (the start-up scan, which needs only ``t``), by range from the remote store."""
         p = rec.modalities[modality]
-        path = os.path.join(self.root, p.file)
+        path = self.store.where(p.file)
         try:
             # The footer parsed once per file, and a plain memory map: reads share nothing else,
             # so the read-ahead threads need no lock.
             meta = self._footers.get(path)
             if meta is None:
-                meta = self._footers.setdefault(path, pq.read_metadata(path))
-            with pq.ParquetFile(pa.memory_map(path), metadata=meta) as pf:
+                if self.store.remote:
+                    with self.store.open(p.file) as handle:
+                        meta = self._footers.setdefault(path, pq.read_metadata(handle))
+                else:
+                    meta = self._footers.setdefault(path, pq.read_metadata(path))
+            if not self.store.remote:
+                source = pa.memory_map(path)
+            else:
+                source = self.store.open(p.file) if ranged else self.store.open_local(p.file)
+            with pq.ParquetFile(source, metadata=meta) as pf:
                 return pf.read_row_group(p.row_group, columns=columns)
         except Exception as exc:
             raise DataError(f"shard {path}, row group {p.row_group} (recording {rec.id}, {modality}): {exc}") from None
@@ -136,7 +152,7 @@ class WindowSource(UnitSource):
     def _signals(self, rec: Recording, with_samples: bool) -> dict[str, Signal]:
         out = {}
         for m in self.modalities:
-            table = self._read(rec, m, ["t", "x"] if with_samples else ["t"])
+            table = self._read(rec, m, ["t", "x"] if with_samples else ["t"], ranged=not with_samples)
             t = table.column("t").to_numpy()
             if with_samples:
                 x = table.column("x").combine_chunks()
@@ -173,7 +189,7 @@ class WindowSource(UnitSource):
                     return {
                         k: WindowColumn(k, np.asarray(v).dtype.str, tuple(np.asarray(v).shape[1:])) for k, v in out.items()
                     }
-        raise DataError(f"{self.root}: no valid window in any recording with --window {self.spec.length} --hop {self.spec.hop}")
+        raise DataError(f"{self.store.where()}: no valid window in any recording with --window {self.spec.length} --hop {self.spec.hop}")
 
     # -- windows ---------------------------------------------------------------------------------
     def _windows(self, split: _Split, u: int, limit: int | None = None) -> dict[str, np.ndarray]:
@@ -198,8 +214,32 @@ class WindowSource(UnitSource):
     def column_specs(self, sources: tuple[str, ...]) -> Sequence[WindowColumn]:
         return self._base  # stages may need any of them, whatever the client asked for
 
+    def describe_unit(self, split: str, u: int) -> str:
+        _, rec = self._splits[split].recordings[u]
+        return f"recording {rec.id}"
+
     def decode_unit(self, split: str, u: int, columns: Sequence[Any]) -> dict[str, np.ndarray]:
         return self._windows(self._splits[split], u)
+
+    def prefetch_units(self, split: str, units: Sequence[int]) -> None:
+        """Fetch the files of these recordings into the disk cache in the background (remote only)."""
+        if self.store.remote:
+            recordings = self._splits[split].recordings
+            files = (recordings[int(u)][1].modalities[m].file for u in units for m in self.modalities)
+            self.store.prefetch(dict.fromkeys(files))
+
+    def close(self) -> None:
+        super().close()
+        self.store.close()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A copy in a worker process may get counters of its own: the store counts into them.
+        parent = getattr(super(), "__setstate__", None)
+        if parent is not None:
+            parent(state)
+        else:
+            self.__dict__.update(state)
+        self.store.counters = self.counters
 
     def finish_batch(self, split: str, batch: dict[str, np.ndarray], sources: tuple[str, ...]) -> dict[str, np.ndarray]:
         out = self.pipeline(batch)
@@ -241,6 +281,7 @@ class WindowSource(UnitSource):
             "batch_size": self.batch_size,
             "seed": self.seed,
             "shuffle": self.shuffle,
+            "storage": storage_info(self.store),
         }
 
     def memory_per_client(self, split: str) -> int:

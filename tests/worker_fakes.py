@@ -1,0 +1,97 @@
+"""A tiny unit source for the worker-pool tests: importable by worker processes (which unpickle it),
+with units that misbehave on purpose."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from fuelline.protocol import DataError
+from fuelline.server.blocks import UnitSource
+
+
+@dataclass(frozen=True)
+class FakeColumn:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def to_schema(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape)}
+
+
+class FakeUnits(UnitSource):
+    """``units`` units of ``rows`` rows; every row of unit u holds u, and ``sample_id`` is
+    u * 1000 + row. ``behaviour`` maps a unit to what decoding it does instead:
+
+    * ``"exit"``: the process exits at once with code 3 (as a crash in native code would end it);
+    * ``"segv"``: a segmentation fault;
+    * ``("exit-once", marker)``: exits with code 4 unless the file ``marker`` exists, which it
+      creates first (so the retry in a new worker succeeds);
+    * ``"data"``: raises DataError; ``"bug"``: raises ZeroDivisionError.
+    """
+
+    def __init__(self, units: int = 8, rows: int = 10, behaviour: dict | None = None, **options) -> None:
+        options.setdefault("batch_size", 7)
+        options.setdefault("seed", 0)
+        options.setdefault("shuffle", True)
+        options.setdefault("block_units", 2)
+        super().__init__(**options)
+        self._columns = {
+            "x": FakeColumn("x", "<f4", (2,)),
+            "sample_id": FakeColumn("sample_id", "<i8", ()),
+        }
+        self._splits = {"train": None}
+        self.rows_per_unit = np.full(units, rows, dtype=np.int64)
+        self.behaviour = behaviour or {}
+        self.prefetched: list[tuple[int, list[int]]] = []  # (pid that was called, units)
+
+    def unit_rows(self, split: str) -> np.ndarray:
+        return self.rows_per_unit
+
+    def column_specs(self, sources: tuple[str, ...]) -> list[FakeColumn]:
+        return [self._columns[n] for n in sources]
+
+    def decode_unit(self, split: str, u: int, columns) -> dict[str, np.ndarray]:
+        how = self.behaviour.get(u)
+        if how == "exit":
+            os._exit(3)
+        if how == "segv":
+            faulthandler._sigsegv()
+        if isinstance(how, tuple) and how[0] == "exit-once":
+            try:
+                open(how[1], "x").close()
+            except FileExistsError:
+                pass
+            else:
+                os._exit(4)
+        if how == "data":
+            raise DataError(f"unit {u} is unreadable on purpose")
+        if how == "bug":
+            raise ZeroDivisionError("a bug in decode_unit")
+        self.counters["units_decoded"] += 1
+        rows = int(self.rows_per_unit[u])
+        out = {
+            "x": np.full((rows, 2), u, dtype="<f4"),
+            "sample_id": u * 1000 + np.arange(rows, dtype="<i8"),
+        }
+        return {c.name: out[c.name] for c in columns}
+
+    def prefetch_units(self, split: str, units) -> None:
+        self.prefetched.append((os.getpid(), list(units)))
+
+
+class UncopyableUnits(FakeUnits):
+    """Fails to set up in a worker process, as a source whose copy cannot load its dataset would."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.home = os.getpid()
+
+    def __setstate__(self, state: dict) -> None:
+        if os.getpid() != state["home"]:
+            raise RuntimeError("the dataset is not reachable from here")
+        super().__setstate__(state)
