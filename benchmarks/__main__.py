@@ -1,15 +1,25 @@
-"""``python -m benchmarks [transport|parquet|windows|trainer]``: run one benchmark, or all."""
+"""``python -m benchmarks [BENCHMARK] [--quick]``: run one benchmark, or all, then write the summary.
+
+Benchmarks: transport, parquet, windows, pipeline, overlap, scaling, scaleout, trainer, compression.
+Each writes ``<name>.json``, ``<name>.md`` and ``<name>.png`` to the results directory, and every
+run ends with ``summary.md`` and ``summary.png`` there. ``--quick`` runs them at tiny sizes with
+2 rounds (a check that they work, not a measurement), into a temporary directory unless
+``--results-dir`` is given.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Sequence
 
-from benchmarks.common import DEFAULT_DATA_DIR, RESULTS_DIR
+from benchmarks.common import DEFAULT_DATA_DIR, RESULTS_DIR, progress
 
-BENCHMARKS = ("transport", "parquet", "windows", "trainer")
+BENCHMARKS = ("transport", "parquet", "windows", "pipeline", "overlap", "scaling", "scaleout", "trainer", "compression")
+QUICK = {"rounds": 2, "batches": 20, "gb": 0.005}
 
 
 def _at_least(minimum: int):
@@ -30,7 +40,8 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("benchmark", nargs="?", choices=BENCHMARKS, help="which one (default: all)")
     # Two rounds at least: a single run's figure says nothing about its own noise.
     parser.add_argument("--rounds", type=_at_least(2), default=5, help="timed rounds per contender (default 5)")
@@ -40,32 +51,74 @@ def build_parser() -> argparse.ArgumentParser:
                         help="parquet: GB of in-memory numbers in the train split (default 1.0)")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
                         help="parquet: where the dataset is generated and reused (default benchmarks/.data)")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
-                        help="where <name>.json and <name>.md are written (default benchmarks/results)")
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="where <name>.json, .md and .png are written (default benchmarks/results; "
+                             "with --quick, a new temporary directory)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"tiny sizes and {QUICK['rounds']} rounds: checks that every benchmark works")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.quick:
+        args.rounds, args.batches, args.gb = QUICK["rounds"], QUICK["batches"], QUICK["gb"]
+    if args.results_dir is None:
+        args.results_dir = Path(tempfile.mkdtemp(prefix="fuelline-bench-quick-")) if args.quick else RESULTS_DIR
     chosen = [args.benchmark] if args.benchmark else list(BENCHMARKS)
+    started = time.perf_counter()
     for name in chosen:
-        if name == "transport":
-            from benchmarks import transport
+        progress(f"== {name}{' (quick)' if args.quick else ''}")
+        run_one(name, args)
+    from benchmarks import plots
 
-            transport.run(args.rounds, args.batches, args.results_dir)
-        elif name == "parquet":
-            from benchmarks import parquet_path
-
-            parquet_path.run(args.rounds, args.gb, args.data_dir, args.results_dir)
-        elif name == "windows":
-            from benchmarks import windows
-
-            windows.run(args.rounds, args.data_dir, args.results_dir)
-        else:
-            from benchmarks import trainer
-
-            trainer.run(args.rounds, args.data_dir, args.results_dir)
+    for path in plots.summary(args.results_dir):
+        print(f"wrote {path}", flush=True)
+    progress(f"done in {time.perf_counter() - started:.0f}s; results in {args.results_dir}")
     return 0
+
+
+def run_one(name: str, args: argparse.Namespace) -> None:
+    from benchmarks import plots
+
+    rounds, data, results, quick = args.rounds, args.data_dir, args.results_dir, args.quick
+    if name == "transport":
+        from benchmarks import transport
+
+        transport.run(rounds, args.batches, results)
+    elif name == "parquet":
+        from benchmarks import parquet_path
+
+        print(f"wrote {plots.for_record(parquet_path.run(rounds, args.gb, data, results), results)}", flush=True)
+    elif name == "windows":
+        from benchmarks import windows
+
+        print(f"wrote {plots.for_record(windows.run(rounds, data, results, quick=quick), results)}", flush=True)
+    elif name == "pipeline":
+        from benchmarks import pipeline
+
+        pipeline.run(rounds, data, results, quick=quick)
+    elif name == "overlap":
+        from benchmarks import overlap
+
+        overlap.run(rounds, results, quick=quick)
+    elif name == "scaling":
+        from benchmarks import scaling
+
+        scaling.run(rounds, data, results, quick=quick)
+    elif name == "scaleout":
+        from benchmarks import scaleout
+
+        for record in scaleout.run(rounds, data, results, quick=quick):
+            print(f"wrote {plots.for_record(record, results)}", flush=True)
+    elif name == "trainer":
+        from benchmarks import trainer
+
+        print(f"wrote {plots.trainer(trainer.run(rounds, data, results, quick=quick), results)}", flush=True)
+    else:
+        from benchmarks import compression
+
+        compression.run(rounds, data, results, quick=quick)
 
 
 if __name__ == "__main__":

@@ -52,8 +52,7 @@ class Round:
     producer_cpu_s: float | None  # the sending process over the same span; None if in-process
 
 
-def process_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process and all its threads (Linux /proc), else None."""
+def _own_cpu_seconds(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
@@ -61,6 +60,26 @@ def process_cpu_seconds(pid: int) -> float | None:
         return None
     # After the command name: state is field 3, utime and stime fields 14 and 15.
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process, all its threads and its live child processes (a
+    server's worker processes), from Linux /proc; None where there is no /proc."""
+    own = _own_cpu_seconds(pid)
+    if own is None:
+        return None
+    return own + sum(process_cpu_seconds(child) or 0.0 for child in _children(pid))
 
 
 def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | None = None) -> Round:

@@ -39,24 +39,28 @@ CONFIGS = {
 }
 
 
-def ensure_dataset(data_dir: Path) -> Path:
-    data = data_dir / f"trainer-v1-{RECORDINGS}rec-{int(SECONDS)}s-seed{SEED}"
+QUICK = {"recordings": 10, "seconds": 40.0, "epochs": 2, "rounds": 1, "configs": ("none", "fp16", "onebit")}
+
+
+def ensure_dataset(data_dir: Path, recordings: int = RECORDINGS, seconds: float = SECONDS) -> Path:
+    data = data_dir / f"trainer-v1-{recordings}rec-{int(seconds)}s-seed{SEED}"
     if not data.is_dir():
         raw = data_dir / f"{data.name}-raw"
         if not raw.is_dir():
-            synthesize(str(raw), RECORDINGS, SECONDS, SEED)
+            synthesize(str(raw), recordings, seconds, SEED)
         convert(str(raw), str(data), progress=False)
     return data
 
 
-def train_once(endpoint: str, options: list[str], out: Path) -> list[dict[str, Any]]:
+def train_once(endpoint: str, options: list[str], out: Path, epochs: int = EPOCHS) -> list[dict[str, Any]]:
     metrics = out / "metrics.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-           "-m", "fuelline.trainer", "--servers", endpoint, "--epochs", str(EPOCHS), "--seed", str(SEED),
+           "-m", "fuelline.trainer", "--servers", endpoint, "--epochs", str(epochs), "--seed", str(SEED),
            "--metrics-json", str(metrics), *options]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
-        raise RuntimeError(f"training {options} failed:\n{result.stderr[-3000:]}")
+        errors = [line for line in result.stderr.splitlines() if "Error" in line][:6]
+        raise RuntimeError(f"training {options} failed:\n" + "\n".join(errors) + f"\n{result.stderr[-3000:]}")
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
@@ -78,27 +82,37 @@ def summarise(runs: list[list[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
-def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
+def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: bool = False,
+        configs: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """``quick``: a tiny run (QUICK: few recordings, 2 epochs, one round, none/fp16/onebit) that
+    shows the benchmark works, not how fast anything is. ``configs``: a subset of CONFIGS."""
     env = environment()
-    data = ensure_dataset(data_dir)
-    results: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in CONFIGS}
+    recordings, seconds, epochs = (QUICK["recordings"], QUICK["seconds"], QUICK["epochs"]) if quick else (RECORDINGS, SECONDS, EPOCHS)
+    if quick:
+        rounds = QUICK["rounds"]
+    chosen = {name: CONFIGS[name] for name in (configs or (QUICK["configs"] if quick else CONFIGS))}
+    if quick:  # few steps: let onebit compress after the fewest plain steps it accepts, so its path runs
+        chosen = {name: [*options, "--warmup-iters", "2"] if "onebit" in options else options
+                  for name, options in chosen.items()}
+    data = ensure_dataset(data_dir, recordings, seconds)
+    results: dict[str, list[list[dict[str, Any]]]] = {name: [] for name in chosen}
     failures: dict[str, list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="fuelline-bench-", dir=data_dir) as work, ExitStack() as stack:
         argv = [sys.executable, "-m", "fuelline.server.cli", "serve", str(data), "--port", "0", "--batch-size", "32"]
         server = stack.enter_context(ServerProcess("server", argv, Path(work) / "serve.log"))
         endpoint = f"{server.host}:{server.port}"
         for i in range(rounds):
-            for name, options in CONFIGS.items():
+            for name, options in chosen.items():
                 out = Path(work) / f"{i}-{name.replace(' ', '_').replace(',', '')}"
                 out.mkdir()
                 try:
-                    epochs = train_once(endpoint, options, out)
+                    per_epoch = train_once(endpoint, options, out, epochs)
                 except RuntimeError as exc:  # a failed run is a finding: recorded, and the others go on
                     failures.setdefault(name, []).append(str(exc)[-2000:])
                     progress(f"round {i + 1}/{rounds} {name}: FAILED ({str(exc).splitlines()[-1][:200]})")
                     continue
-                results[name].append(epochs)
-                e = epochs[-1]
+                results[name].append(per_epoch)
+                e = per_epoch[-1]
                 progress(f"round {i + 1}/{rounds} {name}: acc {e['val_accuracy']:.3f}, macro-F1 {e['val_macro_f1']:.3f}, "
                          f"{e['grad_bytes_per_element']} B/elem, step {e['step_time_s'] * 1e3:.1f} ms")
     summary = {name: summarise(runs) for name, runs in results.items() if runs}
@@ -110,7 +124,8 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR) -> dict[st
                     f"{s['step_time_s'] * 1e3:.1f} | {s['samples_per_s']:,.0f} | {s['final_accuracy']:.3f} | "
                     f"{s['final_macro_f1']:.3f} | {fmt(s['final_fear_recall'], '{:.2f}')} |")
     md = "\n".join([
-        f"## trainer — {EPOCHS} epochs, W = {WORLD} (gloo, CPU), {RECORDINGS} synth recordings × {SECONDS:.0f} s", "",
+        f"## trainer — {epochs} epochs, W = {WORLD} (gloo, CPU), {recordings} synth recordings × {seconds:.0f} s"
+        + (" (quick: a check that it runs, not a measurement)" if quick else ""), "",
         *rows, "",
         f"Medians over {rounds} rounds (configurations alternate). Bytes per element are what each rank hands to "
         "collectives after the first epoch (onebit's warm-up of plain all-reduce is in the first), against an fp32 "
@@ -119,7 +134,8 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR) -> dict[st
         f"- {env['date']}; {env['machine']['cpu_count']} CPUs; python {env['versions']['python']}.",
         *(f"- {name}: {len(errs)} of {rounds} runs FAILED (see trainer.json)." for name, errs in failures.items()),
     ])
-    record = {"benchmark": "trainer", **env, "configs": CONFIGS, "epochs": EPOCHS, "world_size": WORLD,
+    record = {"benchmark": "trainer", **env, "configs": chosen, "epochs": epochs, "world_size": WORLD,
+              "recordings": recordings, "seconds": seconds, "quick": quick, "rounds": rounds,
               "summary": summary, "runs": results, "failures": failures}
     print(md, flush=True)
     results_dir.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,12 @@
-"""Transport: 3 MB batches over tcp loopback, fuelline against bare pyzmq.
+"""Transport: 3 MB batches over tcp loopback (and ipc), fuelline against bare pyzmq.
 
 Bare pyzmq is the ceiling: one preallocated array sent zero-copy over PUSH/PULL with a high-water
-mark of 10, rebuilt with ``np.frombuffer`` on arrival, and nothing else. fuelline sends the same
+mark of 10, rebuilt with ``np.frombuffer`` on arrival, and nothing else; it is measured on tcp
+loopback and on an ipc:// (Unix domain) socket, the two ways a co-located server can be reached. fuelline sends the same
 array from a Fuel-style stream through ``start_server`` to ``ServerDataStream``, adding its
-headers, credit, sessions and (unless turned off) an xxh3 checksum per array, checked on arrival.
+headers, credit, sessions and (unless turned off) an xxh3 checksum per array, checked on arrival:
+over TCP (``local=False``, as a client on another host reads), and as a default client on the
+server's host reads, through the Unix socket the server offers.
 Each sender runs in its own process, as a data server would.
 """
 
@@ -32,7 +35,9 @@ HWM = 10
 HOST = "127.0.0.1"
 TIMEOUT_S = 60.0  # for any single wait: a connection, a batch, an acknowledgement
 
-BARE, FUELLINE, NO_CHECKSUM = "bare pyzmq", "fuelline", "fuelline --no-checksum"
+BARE, BARE_IPC = "bare pyzmq", "bare pyzmq, ipc"
+FUELLINE, NO_CHECKSUM = "fuelline", "fuelline --no-checksum"  # over TCP (ServerDataStream(local=False))
+LOCAL, LOCAL_NO_CHECKSUM = "fuelline, local", "fuelline, local --no-checksum"  # the default: moves to ipc
 
 
 def make_array() -> np.ndarray:
@@ -41,8 +46,9 @@ def make_array() -> np.ndarray:
 
 
 # -- bare pyzmq ------------------------------------------------------------------------------------
-def _bare_sender(conn: Connection, hwm: int) -> None:
-    """Child process: bind PUSH, report the port, then per request send the array n times.
+def _bare_sender(conn: Connection, hwm: int, ipc_path: str | None = None) -> None:
+    """Child process: bind PUSH (tcp loopback, or ``ipc://ipc_path``), report the endpoint, then
+    per request send the array n times.
 
     It leaves when asked (None), when the parent goes away (EOF), or after a long silence, so an
     orphan never lingers.
@@ -53,9 +59,13 @@ def _bare_sender(conn: Connection, hwm: int) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, int(TIMEOUT_S * 1000))
     try:
-        port = sock.bind_to_random_port(f"tcp://{HOST}")
+        if ipc_path is None:
+            endpoint = f"tcp://{HOST}:{sock.bind_to_random_port(f'tcp://{HOST}')}"
+        else:
+            endpoint = f"ipc://{ipc_path}"
+            sock.bind(endpoint)
         arr = make_array()
-        conn.send(port)
+        conn.send(endpoint)
         while conn.poll(10 * TIMEOUT_S):
             n = conn.recv()
             if n is None:
@@ -71,13 +81,14 @@ def _bare_sender(conn: Connection, hwm: int) -> None:
 
 
 class BareSender:
-    """The bare pyzmq sender process (spawned, so it shares nothing with this one)."""
+    """The bare pyzmq sender process (spawned, so it shares nothing with this one); on tcp
+    loopback, or on ``ipc://ipc_path`` if given."""
 
-    def __init__(self, hwm: int = HWM) -> None:
+    def __init__(self, hwm: int = HWM, ipc_path: str | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_bare_sender, args=(child, hwm), name="bare-pyzmq-sender", daemon=True)
-        self.port = 0
+        self._proc = ctx.Process(target=_bare_sender, args=(child, hwm, ipc_path), name="bare-pyzmq-sender", daemon=True)
+        self.endpoint = ""
         self.exit_status: dict[str, Any] = {}
 
     @property
@@ -88,7 +99,7 @@ class BareSender:
     def __enter__(self) -> "BareSender":
         self._proc.start()
         try:
-            self.port = self._await("port")
+            self.endpoint = self._await("endpoint")
         except BaseException:
             self.__exit__()
             raise
@@ -119,7 +130,7 @@ class BareSender:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVTIMEO, int(TIMEOUT_S * 1000))
         try:
-            sock.connect(f"tcp://{HOST}:{self.port}")
+            sock.connect(self.endpoint)
             self._conn.send(batches)  # the readiness handshake: it sends only once asked
             for _ in range(batches):
                 frame = sock.recv(copy=False)
@@ -130,8 +141,8 @@ class BareSender:
             sock.close(linger=0)
 
 
-def bare_round(sender: BareSender, batches: int) -> Round:
-    return _checked(time_batches(sender.receive(batches), producer_pid=sender.pid), batches, BARE)
+def bare_round(sender: BareSender, batches: int, name: str = BARE) -> Round:
+    return _checked(time_batches(sender.receive(batches), producer_pid=sender.pid), batches, name)
 
 
 # -- fuelline ------------------------------------------------------------------------------------
@@ -160,11 +171,16 @@ def fuelline_server(name: str, batches: int, checksum: bool, log_dir: Path) -> S
     return ServerProcess(name, [sys.executable, "-c", code], log_dir / f"{name.replace(' ', '_')}.log")
 
 
-def fuelline_round(server: ServerProcess, batches: int) -> Round:
+def fuelline_round(server: ServerProcess, batches: int, local: bool = False, name: str | None = None) -> Round:
+    """One epoch through ``ServerDataStream``: over TCP, or (``local``) through the Unix socket the
+    server offers to clients on its host, as a default client does."""
     with ServerDataStream(("features",), host=server.host, port=server.port, hwm=HWM, timeout=TIMEOUT_S,
-                          receive_timeout=TIMEOUT_S) as stream:
+                          receive_timeout=TIMEOUT_S, local=local) as stream:
         r = time_batches(stream.get_epoch_iterator(), producer_pid=server.pid)
-    return _checked(r, batches, server.name)
+        where = stream.transports[0]
+    if where.startswith("ipc://") != local:
+        raise RuntimeError(f"{name or server.name}: read through {where}, expected {'ipc' if local else 'tcp'}")
+    return _checked(r, batches, name or server.name)
 
 
 def _checked(r: Round, batches: int, who: str) -> Round:
@@ -176,21 +192,31 @@ def _checked(r: Round, batches: int, who: str) -> Round:
 # -- the benchmark ----------------------------------------------------------------------------------
 def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
     """Run the transport benchmark, print its table and write its results; returns the record."""
+    from benchmarks import plots
+
     env = environment()
     batch_bytes = int(np.prod(SHAPE)) * np.dtype(DTYPE).itemsize
     with tempfile.TemporaryDirectory(prefix="fuelline-bench-") as logs, ExitStack() as stack:
         bare = stack.enter_context(BareSender())
+        bare_ipc = stack.enter_context(BareSender(ipc_path=str(Path(logs) / "bare.sock")))
         with_ck = stack.enter_context(fuelline_server(FUELLINE, batches, True, Path(logs)))
         no_ck = stack.enter_context(fuelline_server(NO_CHECKSUM, batches, False, Path(logs)))
         contenders = [
             Contender(BARE, lambda: bare_round(bare, batches)),
+            Contender(BARE_IPC, lambda: bare_round(bare_ipc, batches, BARE_IPC)),
             Contender(FUELLINE, lambda: fuelline_round(with_ck, batches)),
             Contender(NO_CHECKSUM, lambda: fuelline_round(no_ck, batches)),
+            Contender(LOCAL, lambda: fuelline_round(with_ck, batches, local=True, name=LOCAL)),
+            Contender(LOCAL_NO_CHECKSUM, lambda: fuelline_round(no_ck, batches, local=True, name=LOCAL_NO_CHECKSUM)),
         ]
+        ipc_note = ("fuelline, local: a default ServerDataStream on the server's host, which moves from TCP to the "
+                    "Unix socket the server offers (the same server processes as the TCP contenders); held to bare "
+                    "pyzmq on ipc.")
         gbps = Metric("GB/s", lambda r: r.bytes / r.seconds / 1e9, "{:.3f}")
         results = alternate(contenders, rounds, lambda r: f"{gbps.of(r):.3f} GB/s")
         stack.close()  # stop the servers now: their exit status belongs in the record
-        exits = {BARE: bare.exit_status, FUELLINE: with_ck.exit_status, NO_CHECKSUM: no_ck.exit_status}
+        exits = {BARE: bare.exit_status, BARE_IPC: bare_ipc.exit_status, FUELLINE: with_ck.exit_status,
+                 NO_CHECKSUM: no_ck.exit_status, LOCAL: with_ck.exit_status, LOCAL_NO_CHECKSUM: no_ck.exit_status}
     parameters = {
         "rounds": rounds, "batches_per_round": batches, "shape": list(SHAPE), "dtype": np.dtype(DTYPE).name,
         "batch_bytes": batch_bytes, "bytes_per_round": batch_bytes * batches, "hwm": HWM, "host": HOST,
@@ -203,18 +229,23 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         "A rate counts the batches after the first over the time from the first batch's arrival to the last's: "
         "connection setup and the first batch are excluded, alike for all contenders. GB = 10^9 bytes.",
         "Every sender is a separate process on the same loopback; bare pyzmq is PUSH/PULL, send(copy=False) of "
-        "one preallocated array, recv(copy=False) + np.frombuffer, high-water mark 10.",
+        "one preallocated array, recv(copy=False) + np.frombuffer, high-water mark 10, on tcp://127.0.0.1 and on "
+        "an ipc:// socket in a temporary directory.",
+        ipc_note,
         "fuelline: start_server(stream, port=0, hwm=10) in a child process, ServerDataStream(hwm=10) reading one "
         "epoch per round (a new client each round); every array is touched (one element read).",
         "CPU s/GB adds the consumer's and the sender's CPU time (all threads, /proc) over the timed span; on a "
         "2-core machine it shows how much of the machine each contender needs.",
     ]
     record, md = build_report(
-        "transport", "transport — 3 MB batches over tcp loopback", results, [gbps],
-        [RatioSpec(FUELLINE, BARE, 0.80), RatioSpec(NO_CHECKSUM, BARE, 0.80), RatioSpec(FUELLINE, NO_CHECKSUM)],
+        "transport", "transport — 3 MB batches over tcp loopback and ipc", results, [gbps],
+        [RatioSpec(FUELLINE, BARE, 0.80), RatioSpec(NO_CHECKSUM, BARE, 0.80), RatioSpec(LOCAL, BARE_IPC, 0.80),
+         RatioSpec(LOCAL_NO_CHECKSUM, BARE_IPC, 0.80), RatioSpec(LOCAL, BARE), RatioSpec(FUELLINE, NO_CHECKSUM),
+         RatioSpec(BARE_IPC, BARE)],
         parameters, notes, env, exits=exits,
     )
     print(md, flush=True)
     for path in write_results("transport", record, md, results_dir):
         print(f"wrote {path}", flush=True)
+    print(f"wrote {plots.for_record(record, results_dir)}", flush=True)
     return record

@@ -39,15 +39,17 @@ HWM = 10
 TIMEOUT_S = 60.0
 REFERENCE_WINDOWS_PER_S = 980.0
 
+QUICK_RECORDINGS, QUICK_SECONDS = 10, 40.0  # --quick: a check that it runs, not a measurement
+
 IN_PROCESS, SERVED = "in-process pipeline", "fuelline serve"
 
 
-def ensure_raw(data_dir: Path) -> Path:
-    raw = data_dir / f"raw-v{DATASET_FORMAT}-{RECORDINGS}rec-{int(SECONDS)}s-seed{SEED}"
+def ensure_raw(data_dir: Path, recordings: int = RECORDINGS, seconds: float = SECONDS) -> Path:
+    raw = data_dir / f"raw-v{DATASET_FORMAT}-{recordings}rec-{int(seconds)}s-seed{SEED}"
     if not raw.is_dir():  # it appears by an atomic rename, so one that exists is complete
         data_dir.mkdir(parents=True, exist_ok=True)
         progress(f"synthesising {raw} ...")
-        synthesize(str(raw), RECORDINGS, SECONDS, SEED)
+        synthesize(str(raw), recordings, seconds, SEED)
     return raw
 
 
@@ -89,9 +91,10 @@ def served_round(server: ServerProcess) -> Round:
         return time_batches(stream.get_epoch_iterator(), producer_pid=server.pid)
 
 
-def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
+def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: bool = False) -> dict[str, Any]:
     env = environment()
-    raw = ensure_raw(data_dir)
+    recordings, seconds = (QUICK_RECORDINGS, QUICK_SECONDS) if quick else (RECORDINGS, SECONDS)
+    raw = ensure_raw(data_dir, recordings, seconds)
     with tempfile.TemporaryDirectory(prefix="fuelline-bench-", dir=data_dir) as work, ExitStack() as stack:
         conv = time_convert(raw, rounds, Path(work))
         dataset = conv["dataset"]
@@ -111,7 +114,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR) -> dict[st
         exits = {SERVED: server.exit_status}
     served = statistics.median(wps.of(r) for r in results[SERVED])
     parameters = {
-        "rounds": rounds, "recordings": RECORDINGS, "seconds": SECONDS, "seed": SEED, "train_windows": windows,
+        "rounds": rounds, "quick": quick, "recordings": recordings, "seconds": seconds, "seed": SEED, "train_windows": windows,
         "window": "2.0 s every 1.0 s, max gap 2, zscore", "batch_size": BATCH_SIZE, "hwm": HWM,
     }
     notes = [
@@ -127,7 +130,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR) -> dict[st
         "but its first reads are); served: one server process for all rounds, a new client per round.",
     ]
     record, md = build_report(
-        "windows", f"windows — aligned 2 s windows of {RECORDINGS} recordings × {SECONDS:.0f} s", results,
+        "windows", f"windows — aligned 2 s windows of {recordings} recordings × {seconds:.0f} s", results,
         [wps, mbs], [RatioSpec(SERVED, IN_PROCESS, 1.0)], parameters, notes, env, exits=exits,
         extra={"convert": conv, "reference_windows_per_s": REFERENCE_WINDOWS_PER_S,
                "served_over_reference": served / REFERENCE_WINDOWS_PER_S},

@@ -1,0 +1,281 @@
+"""Plots of benchmark records (matplotlib, Agg: no display needed), and the summary that puts
+every benchmark's headline ratio beside its target.
+
+Contenders are bars at their median with the min–max of the rounds as error bars; targets and
+reference figures are horizontal lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+__all__ = ["contenders", "pipeline", "overlap", "scaling", "compression", "trainer", "for_record", "headlines", "summary"]
+
+FUELLINE_COLOR, OTHER_COLOR, REF_COLOR, TARGET_COLOR = "#1f77b4", "#9a9a9a", "#d62728", "#2ca02c"
+
+
+def _save(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp.png")
+    fig.tight_layout()
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def _bars(ax: Any, record: dict[str, Any], unit: str, names: Sequence[str] | None = None) -> None:
+    names = list(names or record["contenders"])
+    stats = [record["contenders"][n][unit] for n in names]
+    med = [s["median"] for s in stats]
+    err = [[m - s["min"] for m, s in zip(med, stats)], [s["max"] - m for m, s in zip(med, stats)]]
+    colors = [FUELLINE_COLOR if "fuelline" in n.lower() else OTHER_COLOR for n in names]
+    ax.bar(range(len(names)), med, yerr=err, capsize=4, color=colors)
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels([n.replace(", ", ",\n").replace(" + ", " +\n") for n in names], fontsize=8)
+    ax.set_ylabel(f"{unit} (median, min–max)")
+    top = max(s["max"] for s in stats)
+    for i, (m, st) in enumerate(zip(med, stats)):
+        ax.text(i, st["max"], _fmt(m), ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, top * 1.15)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def _line(ax: Any, y: float, label: str, color: str = REF_COLOR, style: str = "--") -> None:
+    ax.axhline(y, color=color, linestyle=style, linewidth=1.2, label=label)
+    lo, hi = ax.get_ylim()
+    if y > hi * 0.95:
+        ax.set_ylim(lo, y * 1.08)
+
+
+def contenders(record: dict[str, Any], results_dir: Path, name: str | None = None,
+               refs: Sequence[tuple[float, str, str]] = ()) -> Path:
+    """Any ``build_report`` record: one panel per metric, bars per contender, ``refs`` lines
+    (value, label, color) on the first panel."""
+    units = record["metrics"]
+    fig, axes = plt.subplots(1, len(units), figsize=(max(5.0, 1.6 * len(record["contenders"])) * len(units), 4.2),
+                             squeeze=False)
+    for i, unit in enumerate(units):
+        ax = axes[0][i]
+        _bars(ax, record, unit)
+        if i == 0:
+            for value, label, color in refs:
+                _line(ax, value, label, color)
+            if refs:
+                ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle(record.get("title", record["benchmark"]), fontsize=10)
+    return _save(fig, results_dir / f"{name or record['benchmark']}.png")
+
+
+def pipeline(record: dict[str, Any], results_dir: Path) -> Path:
+    ref = record["reference_windows_per_s"]
+    return contenders(record, results_dir, refs=[(ref, f"Arrow pipeline, {ref:.0f}/s", REF_COLOR),
+                                                 (20 * ref, f"target 20 × {ref:.0f}/s", TARGET_COLOR)])
+
+
+def overlap(record: dict[str, Any], results_dir: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    _bars(ax, record, record["metrics"][0])
+    _line(ax, 1.0, "ideal: training alone, nominal", REF_COLOR)
+    _line(ax, record["target_max"], f"target ≤ {record['target_max']:.2f}", TARGET_COLOR, ":")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(record["title"], fontsize=10)
+    return _save(fig, results_dir / "overlap.png")
+
+
+def scaling(record: dict[str, Any], results_dir: Path) -> Path:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, (key, xlabel) in zip(axes, (("clients", "concurrent clients (one server)"),
+                                        ("batch_size", "batch size (one client)"))):
+        part = record[key]
+        xs = part["x"]
+        stats = [part["windows/s"][str(x)] for x in xs]
+        med = [s["median"] for s in stats]
+        err = [[m - s["min"] for m, s in zip(med, stats)], [s["max"] - m for m, s in zip(med, stats)]]
+        ax.errorbar(xs, med, yerr=err, marker="o", capsize=4, color=FUELLINE_COLOR)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([str(x) for x in xs])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("aggregate windows/s (median, min–max)")
+        ax.set_ylim(0, max(s["max"] for s in stats) * 1.15)
+        ref = record["reference_windows_per_s"]
+        _line(ax, ref, f"Arrow pipeline, {ref:.0f}/s")
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(record["title"], fontsize=10)
+    return _save(fig, results_dir / "scaling.png")
+
+
+def compression(record: dict[str, Any], results_dir: Path) -> Path:
+    names = list(record["configs"])
+    rows = [record["configs"][n] for n in names]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    bpe = [r["grad_bytes_per_element"] or 0.0 for r in rows]
+    axes[0].bar(range(len(names)), bpe, color=[FUELLINE_COLOR if n == "onebit" else OTHER_COLOR for n in names])
+    for i, v in enumerate(bpe):
+        axes[0].text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+    axes[0].set_ylabel("gradient bytes per element, per rank")
+    _line(axes[0], record["fp32_ring_bytes_per_element"], "fp32 ring all-reduce")
+    _line(axes[0], record["fp32_ring_bytes_per_element"] * record["target_of_fp32"],
+          f"target {record['target_of_fp32']:.1%} of fp32 ring", TARGET_COLOR, ":")
+    axes[0].legend(fontsize=8)
+    step = [r["step_time_ms"] for r in rows]
+    err = [[s["median"] - s["min"] for s in step], [s["max"] - s["median"] for s in step]]
+    axes[1].bar(range(len(names)), [s["median"] for s in step], yerr=err, capsize=4,
+                color=[FUELLINE_COLOR if n == "onebit" else OTHER_COLOR for n in names])
+    axes[1].set_ylabel("step time, ms (median, min–max over rounds)")
+    for ax in axes:
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names)
+    fig.suptitle(record["title"], fontsize=10)
+    return _save(fig, results_dir / "compression.png")
+
+
+def trainer(record: dict[str, Any], results_dir: Path) -> Path:
+    """The training benchmark: per configuration, bytes per element, step time and final accuracy
+    (medians over its rounds)."""
+    summary = record["summary"]
+    names = list(summary)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.4))
+    panels = (("grad_bytes_per_element", "gradient bytes per element", 1.0),
+              ("step_time_s", "step time, ms", 1e3), ("final_accuracy", "final val accuracy", 1.0))
+    for ax, (key, label, scale) in zip(axes, panels):
+        values = [(summary[n][key] or 0.0) * scale for n in names]
+        ax.bar(range(len(names)), values, color=[FUELLINE_COLOR if "onebit" in n else OTHER_COLOR for n in names])
+        for i, v in enumerate(values):
+            ax.text(i, v, f"{v:.3g}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels([n.replace(" ", "\n", 1) for n in names], fontsize=7)
+        ax.set_ylabel(label + " (median)")
+    fig.suptitle(f"trainer — {record['epochs']} epochs, W = {record['world_size']}", fontsize=10)
+    return _save(fig, results_dir / "trainer.png")
+
+
+def for_record(record: dict[str, Any], results_dir: Path) -> Path:
+    """The plot of an existing benchmark's record (transport, parquet, windows, scaleout)."""
+    refs: list[tuple[float, str, str]] = []
+    if "reference_windows_per_s" in record:
+        ref = record["reference_windows_per_s"]
+        refs = [(ref, f"Arrow pipeline, {ref:.0f}/s", REF_COLOR)]
+    return contenders(record, results_dir, refs=refs)
+
+
+# -- the summary ------------------------------------------------------------------------------------
+def _load(results_dir: Path, name: str) -> dict[str, Any] | None:
+    try:
+        return json.loads((results_dir / f"{name}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def headlines(results_dir: Path) -> list[dict[str, Any]]:
+    """Each benchmark's headline figures found in ``results_dir``: what, value, target, and
+    whether higher is better."""
+    out: list[dict[str, Any]] = []
+
+    def add(bench: str, what: str, value: float | None, target: float | None, higher: bool = True) -> None:
+        if value is None:
+            return
+        meets = None if target is None else (value >= target if higher else value <= target)
+        date = (_load(results_dir, bench) or {}).get("date")
+        out.append({"benchmark": bench, "what": what, "value": value, "target": target,
+                    "higher_is_better": higher, "meets": meets, "date": date})
+
+    def ratio(rec: dict[str, Any], key: str) -> float | None:
+        r = rec.get("ratios", {}).get(key)
+        return None if r is None else r["of_medians"]
+
+    if (rec := _load(results_dir, "transport")) is not None:
+        for key, r in rec["ratios"].items():
+            add("transport", key + " (GB/s)", r["of_medians"], r["target"])
+    if (rec := _load(results_dir, "parquet")) is not None:
+        for key, r in rec["ratios"].items():
+            add("parquet", key + " (rows/s)", r["of_medians"], r["target"])
+    if (rec := _load(results_dir, "pipeline")) is not None:
+        best = rec["best_dataloader"]
+        add("pipeline", "fuelline serve / in-process (windows/s)", ratio(rec, "fuelline serve / in-process WindowSource"), 1.0)
+        add("pipeline", f"fuelline serve / best DataLoader ({best})", ratio(rec, f"fuelline serve / {best}"), 1.0)
+        add("pipeline", "fuelline serve / 980 windows/s", rec["served_over_reference"]["value"], 20.0)
+    if (rec := _load(results_dir, "overlap")) is not None:
+        add("overlap", "start_server + ServerDataStream: time / ideal", rec["served_over_ideal"], rec["target_max"], False)
+        add("overlap", "single process: time / ideal", rec["single_over_ideal"], None, False)
+    if (rec := _load(results_dir, "scaling")) is not None:
+        c = rec["clients"]
+        add("scaling", f"aggregate windows/s, {c['x'][-1]} clients / 1 client", c["speedup_at_max"], None)
+        b = rec["batch_size"]
+        add("scaling", f"windows/s, batch {b['x'][-1]} / batch {b['x'][0]}", b["speedup_at_max"], None)
+    if (rec := _load(results_dir, "compression")) is not None:
+        onebit = rec["configs"].get("onebit")
+        if onebit is not None and onebit.get("of_fp32_ring") is not None:
+            add("compression", "onebit bytes/element / fp32 ring", onebit["of_fp32_ring"], rec["target_of_fp32"], False)
+    if (rec := _load(results_dir, "windows")) is not None:
+        for key, r in rec["ratios"].items():
+            add("windows", key + " (windows/s)", r["of_medians"], r["target"])
+    return out
+
+
+def _any_quick(results_dir: Path) -> bool:
+    for path in results_dir.glob("*.json"):
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if rec.get("quick") or rec.get("parameters", {}).get("quick") or rec.get("from_trainer", {}).get("quick"):
+            return True
+    return False
+
+
+def summary(results_dir: Path) -> list[Path]:
+    """``summary.md`` and ``summary.png``: every headline beside its target."""
+    rows = headlines(results_dir)
+    quick = _any_quick(results_dir)
+    lines = ["## Benchmark summary", "",
+             *(["**Quick run**: tiny sizes and 2 rounds, a check that every benchmark works; these figures "
+                "measure nothing.", ""] if quick else []), "| benchmark | figure | value | target | verdict | measured |", "|---|---|---:|---:|---|---|"]
+    for r in rows:
+        target = "–" if r["target"] is None else ("≥ " if r["higher_is_better"] else "≤ ") + f"{r['target']:.3g}"
+        verdict = "–" if r["meets"] is None else ("meets" if r["meets"] else "MISSES")
+        lines.append(f"| {r['benchmark']} | {r['what']} | {r['value']:.3g} | {target} | {verdict} | {r['date'] or '–'} |")
+    lines += ["", "Each figure is a ratio of medians taken within one run of its benchmark (contenders "
+              "alternately); see `<benchmark>.md` for rounds, ranges and conditions.", ""]
+    results_dir.mkdir(parents=True, exist_ok=True)
+    md = results_dir / "summary.md"
+    tmp = md.with_name("summary.md.tmp")
+    tmp.write_text("\n".join(lines))
+    os.replace(tmp, md)
+
+    # Each headline as a share of its target (>= 1: met); headlines without a target as they are.
+    fig, ax = plt.subplots(figsize=(12, 0.45 * max(len(rows), 1) + 1.8))
+    labels, values, colors = [], [], []
+    for r in rows:
+        if r["target"] is not None:
+            score = r["value"] / r["target"] if r["higher_is_better"] else r["target"] / r["value"]
+            colors.append(TARGET_COLOR if r["meets"] else REF_COLOR)
+        else:
+            score = r["value"]
+            colors.append(OTHER_COLOR)
+        labels.append(f"{r['benchmark']}: {r['what']}")
+        values.append(score)
+    ax.barh(range(len(rows)), values, color=colors)
+    for i, (v, r) in enumerate(zip(values, rows)):
+        ax.text(v, i, f"  {r['value']:.3g}", va="center", fontsize=7)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xlim(0, max([1.0, *values]) * 1.2)
+    ax.set_xlabel("share of target (≥ 1: met; grey: no target, the ratio itself); the figure is printed at each bar")
+    ax.set_title("fuelline benchmarks: headline ratios against targets" + (" (QUICK RUN: not a measurement)" if quick else ""),
+                 fontsize=10)
+    return [md, _save(fig, results_dir / "summary.png")]

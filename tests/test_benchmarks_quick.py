@@ -1,0 +1,112 @@
+"""``python -m benchmarks --quick`` runs every benchmark end to end (real server processes, real
+sockets, tiny sizes) and writes every result file. Correctness only: no figure is judged for speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("matplotlib")
+pytest.importorskip("moto")
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_TIMEOUT_S = 240
+
+REPORTS = ("transport", "parquet", "windows", "pipeline", "overlap", "scaling", "scaleout-workers", "scaleout-storage")
+WITH_PLOT = (*REPORTS, "compression", "trainer")
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    work = tmp_path_factory.mktemp("bench-quick")
+    results = work / "results"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--results-dir", str(results), "--data-dir", str(work / "data")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+    )
+    return proc, results
+
+
+def _record(results: Path, name: str) -> dict[str, Any]:
+    return json.loads((results / f"{name}.json").read_text())
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_quick_run_exits_zero_and_writes_every_file(quick_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, results = quick_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name in (*REPORTS, "compression", "trainer"):
+        for ext in ("json", "md"):
+            path = results / f"{name}.{ext}"
+            assert path.is_file() and path.stat().st_size > 0, f"{path} missing or empty"
+    for name in (*WITH_PLOT, "summary"):
+        path = results / f"{name}.png"
+        assert path.is_file(), f"{path} missing"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    assert (results / "summary.md").read_text().startswith("## Benchmark summary")
+    assert not list(results.glob("*.tmp*")), "a temporary file was left behind"
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_reports_have_positive_figures_and_ratios(quick_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, results = quick_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name in REPORTS:
+        record = _record(results, name)
+        assert record["contenders"], name
+        for contender, entry in record["contenders"].items():
+            assert entry["rounds"], (name, contender)
+            for unit in record["metrics"][:1]:
+                assert entry[unit]["median"] > 0 and entry[unit]["min"] > 0, (name, contender, unit)
+        for label, ratio in record["ratios"].items():
+            assert ratio["of_medians"] > 0 and len(ratio["per_round"]) == len(next(iter(record["contenders"].values()))["rounds"]), (name, label)
+            if ratio["target"] is not None:
+                assert isinstance(ratio["median_meets_target"], bool), (name, label)
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S + 60)
+def test_headline_figures_are_computed(quick_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, results = quick_run
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    transport = _record(results, "transport")
+    assert {"bare pyzmq", "bare pyzmq, ipc", "fuelline", "fuelline, local"} <= set(transport["contenders"])
+
+    pipeline = _record(results, "pipeline")
+    names = set(pipeline["contenders"])
+    assert {"fuelline serve", "in-process WindowSource", "DataLoader, 0 workers", "DataLoader, 1 worker",
+            "DataLoader, 2 workers"} <= names
+    assert pipeline["best_dataloader"] in names
+    assert "fuelline serve / in-process WindowSource" in pipeline["ratios"]
+    assert f"fuelline serve / {pipeline['best_dataloader']}" in pipeline["ratios"]
+    assert pipeline["served_over_reference"]["value"] > 0
+    assert isinstance(pipeline["served_over_reference"]["meets_target"], bool)
+
+    overlap = _record(results, "overlap")
+    for key in ("served_over_ideal", "single_over_ideal", "alone_over_ideal", "served_over_alone", "ideal_s"):
+        assert overlap[key] > 0, key
+    assert isinstance(overlap["meets_target"], bool)
+
+    scaling = _record(results, "scaling")
+    assert scaling["clients"]["x"] == [1, 2, 4, 8]
+    for part in ("clients", "batch_size"):
+        assert all(s["median"] > 0 for s in scaling[part]["windows/s"].values()), part
+        assert scaling[part]["speedup_at_max"] > 0
+
+    compression = _record(results, "compression")
+    assert set(compression["configs"]) == {"none", "fp16", "onebit"}
+    for name, c in compression["configs"].items():
+        assert c["grad_bytes_per_element"] > 0 and c["step_time_ms"]["median"] > 0, name
+    assert compression["configs"]["fp16"]["grad_bytes_per_element"] < compression["configs"]["none"]["grad_bytes_per_element"]
+
+    summary = (results / "summary.md").read_text()
+    for bench in ("transport", "pipeline", "overlap", "scaling", "compression"):
+        assert f"| {bench} |" in summary, bench
