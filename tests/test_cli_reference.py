@@ -1,0 +1,35 @@
+"""The README's command-line reference is the parsers' own, so it cannot fall behind them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fuelline.server import clidoc
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_the_readme_reference_matches_the_parsers() -> None:
+    text = README.read_text()
+    assert clidoc.update(text) == text, "the CLI reference is out of date: run python -m fuelline.server.clidoc README.md"
+
+
+def test_every_option_of_serve_and_the_trainer_is_documented_with_its_meaning() -> None:
+    reference = clidoc.render()
+    for option in ("--workers", "--cache-dir", "--metrics-port", "--local-ipc", "--memory-cache", "--servers",
+                   "--compression", "--log-format"):
+        rows = [line for line in reference.splitlines() if line.startswith(f"| `{option}")]
+        assert rows and all(not row.endswith("|  |") for row in rows), option
+
+
+def test_a_stale_reference_is_reported(tmp_path: Path) -> None:
+    stale = tmp_path / "README.md"
+    stale.write_text(f"intro\n{clidoc.BEGIN}\n| `--old-option` | | gone |\n{clidoc.END}\nrest\n")
+    assert clidoc.main(["--check", str(stale)]) == 1
+    assert clidoc.main([str(stale)]) == 0 and clidoc.main(["--check", str(stale)]) == 0
+    text = stale.read_text()
+    assert text.startswith("intro\n") and text.endswith("\nrest\n") and "--old-option" not in text
+    with pytest.raises(ValueError, match="markers"):
+        clidoc.update("no markers here")
