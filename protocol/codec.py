@@ -109,6 +109,12 @@ def _check_depth(header: dict[str, Any], limit: int) -> None:
     raise ProtocolError(f"header nested deeper than {limit} levels")
 
 
+def batch_checksums(frames: Sequence[Any]) -> tuple[int | None, ...]:
+    """The checksum of each array in an encoded Batch (None where it was encoded without)."""
+    header = _unpack_header(frames[0], DEFAULT_LIMITS)
+    return tuple(entry[4] for entry in header.get("a", ()))
+
+
 def peek_type(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> str | None:
     """The message type named by a header, or None if it cannot be read. Never raises."""
     try:

@@ -77,6 +77,13 @@ class RecentBatches:
             while len(self._clients) > self.max_clients:
                 self._clients.popitem(last=False)
 
+    def reject(self, client_id: str) -> None:
+        """The batch just got is not to be sent after all (it changed): uncount its hit and
+        forget the client."""
+        with self._lock:
+            self.hits -= 1
+            self._clients.pop(client_id, None)
+
     def forget(self, client_id: str) -> None:
         with self._lock:
             self._clients.pop(client_id, None)

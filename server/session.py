@@ -16,9 +16,10 @@ import traceback
 from collections import deque
 from typing import Any, Callable, Iterator
 
-import numpy as np
 
 from fuelline.protocol import Batch, DataError, EndOfEpoch, Error, ErrorCode, Hello, encode
+from fuelline.protocol.arrays import wire_array
+from fuelline.protocol.codec import batch_checksums
 from fuelline.server.recent import RecentBatches
 from fuelline.server.sources import BatchSource
 
@@ -28,11 +29,6 @@ log = logging.getLogger("fuelline.server")
 
 # An item ready to send: (kind, frames); kind "batch" needs credit, the others do not.
 Item = tuple[str, list[Any]]
-
-
-def _writeable(value: Any) -> bool:
-    flags = getattr(value, "flags", None)
-    return flags is None or bool(flags.writeable)
 
 
 class Session:
@@ -61,9 +57,9 @@ class Session:
         self.sent_batches = 0
         self._source = source
         self._recent = recent
-        # A unit source never writes a batch's arrays again; a Fuel stream may reuse its buffers,
-        # so the memory tier keeps a copy of what it yields, unless the array is read-only.
-        self._copy_for_recent = not getattr(source, "immutable_batches", False)
+        # A unit source never writes a batch's arrays again; a Fuel stream may reuse its buffers
+        # (see _remembered).
+        self._immutable = bool(getattr(source, "immutable_batches", False))
         # What a cached batch must have been prepared for, besides its client and position.
         self._request = (hello.split, hello.rank, hello.world_size, hello.history, sources)
         self._checksum = checksum
@@ -137,16 +133,43 @@ class Session:
         """Data left out under --on-bad-shard skip: the client is told, in order with its batches."""
         self._put(("notice", encode(Error(ErrorCode.DATA_LOSS, message, fatal=False))))
 
-    def _batches(self, epoch: int, start: int) -> Iterator[dict[str, Any]]:
-        """Batches ``start…`` of an epoch: from the memory tier while it holds them (a client
-        that reconnects asks again for what was just prepared), then from the source."""
+    def _remembered(self, epoch: int, seq: int) -> dict[str, Any] | None:
+        """Batch ``seq`` from the memory tier, if it holds it unchanged. A Fuel stream's arrays
+        are kept by reference with the checksums they were sent with: one that changed since
+        (a stream reusing its buffers) is not sent again, and the client's batches are dropped."""
         h, recent = self.hello, self._recent
+        entry = recent.get(h.client_id, self._request, epoch, seq) if recent is not None else None
+        if entry is None:
+            return None
+        arrays, sent_with = entry
+        if sent_with is not None:
+            now = tuple(wire_array(name, a, with_checksum=True)[0].checksum for name, a in arrays.items())
+            if now != sent_with:
+                log.warning("session %s: batch %d:%d changed after it was sent (the stream reuses its arrays); "
+                            "preparing it again", self.name, epoch, seq)
+                recent.reject(h.client_id)
+                return None
+        return arrays
+
+    def _remember(self, epoch: int, seq: int, arrays: dict[str, Any], frames: list[Any]) -> None:
+        recent = self._recent
+        if recent is None:
+            return
+        if self._immutable:
+            recent.put(self.hello.client_id, self._request, epoch, seq, (arrays, None))
+        elif self._checksum:  # (without checksums a reused buffer could not be told from the batch sent)
+            recent.put(self.hello.client_id, self._request, epoch, seq, (arrays, batch_checksums(frames)))
+        else:
+            recent.misses += 1
+
+    def _batches(self, epoch: int, start: int) -> Iterator[tuple[dict[str, Any], bool]]:
+        """(arrays, prepared now) for batches ``start…`` of an epoch: from the memory tier while
+        it holds them (a client that reconnects asks again for what was just sent), then from
+        the source."""
+        h = self.hello
         seq = start
-        while recent is not None:
-            arrays = recent.get(h.client_id, self._request, epoch, seq)
-            if arrays is None:
-                break
-            yield arrays
+        while (arrays := self._remembered(epoch, seq)) is not None:
+            yield arrays, False
             seq += 1
         # The first epoch may be one resumed from another world size (Hello.history).
         extra = {"history": h.history} if h.history and epoch == h.epoch else {}
@@ -155,11 +178,7 @@ class Session:
         )
         try:
             for arrays in batches:
-                if recent is not None:
-                    kept = {k: np.array(v) if self._copy_for_recent and _writeable(v) else v for k, v in arrays.items()}
-                    recent.put(h.client_id, self._request, epoch, seq, kept)
-                yield arrays
-                seq += 1
+                yield arrays, True
         finally:
             close = getattr(batches, "close", None)
             if close is not None:
@@ -174,8 +193,10 @@ class Session:
                 seq = cursor
                 batches = self._batches(epoch, cursor)
                 try:
-                    for arrays in batches:
+                    for arrays, fresh in batches:
                         frames = encode(Batch(h.stream, epoch, seq, arrays), checksum=self._checksum)
+                        if fresh:
+                            self._remember(epoch, seq, arrays, frames)
                         if not self._put(("batch", frames)):
                             return
                         seq += 1

@@ -56,9 +56,9 @@ def start_server(
             ``authorized/`` with the public key of every client to accept): encrypt and
             authenticate with CURVE. None serves in the clear (a warning off loopback).
         memory_cache: the last K batches sent to each client are kept, so a client that
-            reconnects gets them again without the stream being run again; writeable arrays are
-            copied for that (a stream may reuse its buffers): yield read-only arrays
-            (``arr.setflags(write=False)``) to spare the copy. 0 keeps none.
+            reconnects gets them again without the stream being run again. They are kept by
+            reference with the checksums they were sent with: a batch whose arrays changed since
+            (a stream that reuses its buffers) is prepared again instead. 0 keeps none.
     """
     source = data_stream if hasattr(data_stream, "iter_batches") else FuelStreamSource(data_stream)
     curve = CurveConfig.from_dir(curve_keys) if curve_keys is not None else None

@@ -85,3 +85,43 @@ def test_the_memory_tier_is_bounded_per_client_and_in_clients() -> None:
     assert recent.get("c", "req", 0, 1) is None and recent.get("c", "req", 0, 2) is not None
     assert recent.get("c", "other request", 0, 3) is None
     assert (recent.hits, recent.misses) == (1, 15)
+
+
+class Recorded:
+    """A Fuel-style stream that keeps every array it yields, so the test can change one later,
+    as a stream that reuses its buffers would."""
+
+    sources = ("x",)
+
+    def __init__(self) -> None:
+        self.yielded: list[np.ndarray] = []
+
+    def get_epoch_iterator(self, **kwargs):
+        for i in range(40):
+            array = np.full(4, i, dtype=np.int64)
+            self.yielded.append(array)
+            yield (array,)
+
+
+def test_a_batch_changed_after_it_was_sent_is_prepared_again(zmq_context: zmq.Context, caplog) -> None:
+    from fuelline.server.fuel_source import FuelStreamSource
+
+    stream = Recorded()
+    server = Server(FuelStreamSource(stream), port=0, hwm=4, heartbeat=5.0, memory_cache=10)
+    address = server.start().removeprefix("tcp://")
+    try:
+        first = RawClient(zmq_context, address)
+        first.send(Hello("fuel-0", credit=4, heartbeat=5.0))
+        assert first.recv().TYPE == "welcome"
+        assert [b.arrays["x"][0] for b in batches(first, 4)] == [0, 1, 2, 3]
+        wait_until(lambda: server.recent.misses >= 8, 10.0, "the session prepared 4 batches ahead")
+        stream.yielded[2][:] = -1  # batch 2, sent and kept, is overwritten by its stream
+        second = RawClient(zmq_context, address)
+        second.send(Hello("fuel-0", cursor=1, credit=4, heartbeat=5.0, stream=1))
+        assert second.recv().TYPE == "welcome"
+        assert [b.arrays["x"][0] for b in batches(second, 6, ack=True)] == [1, 2, 3, 4, 5, 6]
+        assert "batch 0:2 changed after it was sent" in caplog.text
+        assert server.recent.hits == 1  # batch 1 came from memory; 2 on were prepared again
+    finally:
+        server.stop()
+        server.join(10)
