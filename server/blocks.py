@@ -56,6 +56,7 @@ class UnitSource(abc.ABC):
     _serving_only: tuple[str, ...] = ()
     _TRANSIENT = ("_pool", "_pool_lock", "_process_pool")
     immutable_batches = True  # batches are never written once yielded (the memory tier keeps them as they are)
+    store: Any = None  # where a subclass reads its files (fuelline.server.storage.Store), if it has one
 
     def __init__(
         self, *, batch_size: int, seed: int, shuffle: bool, block_units: int, on_bad_shard: str = "fail",
@@ -104,6 +105,8 @@ class UnitSource(abc.ABC):
         self._pool_lock = threading.Lock()
         for name in self._serving_only:
             setattr(self, name, None)
+        if self.store is not None:
+            self.store.counters = self.counters  # the copy's own counters, sent back per task
 
     # -- what a subclass supplies ---------------------------------------------------------------
     @abc.abstractmethod
@@ -228,6 +231,8 @@ class UnitSource(abc.ABC):
             pool.shutdown(wait=False, cancel_futures=True)
         if workers is not None:
             workers.close()
+        if self.store is not None:
+            self.store.close()
 
 
 class BlockReader:

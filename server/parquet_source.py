@@ -255,16 +255,4 @@ class ParquetSource(UnitSource):
             sp = self._splits[split]
             self.store.prefetch(dict.fromkeys(sp.rels[int(sp.unit_file[u])] for u in units))
 
-    def close(self) -> None:
-        super().close()
-        self.store.close()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # A copy in a worker process may get counters of its own: the store counts into them.
-        parent = getattr(super(), "__setstate__", None)
-        if parent is not None:
-            parent(state)
-        else:
-            self.__dict__.update(state)
-        self.store.counters = self.counters
 

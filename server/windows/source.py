@@ -228,18 +228,6 @@ class WindowSource(UnitSource):
             files = (recordings[int(u)][1].modalities[m].file for u in units for m in self.modalities)
             self.store.prefetch(dict.fromkeys(files))
 
-    def close(self) -> None:
-        super().close()
-        self.store.close()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # A copy in a worker process may get counters of its own: the store counts into them.
-        parent = getattr(super(), "__setstate__", None)
-        if parent is not None:
-            parent(state)
-        else:
-            self.__dict__.update(state)
-        self.store.counters = self.counters
 
     def finish_batch(self, split: str, batch: dict[str, np.ndarray], sources: tuple[str, ...]) -> dict[str, np.ndarray]:
         out = self.pipeline(batch)
