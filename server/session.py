@@ -195,10 +195,10 @@ class Session:
                 try:
                     for arrays, fresh in batches:
                         frames = encode(Batch(h.stream, epoch, seq, arrays), checksum=self._checksum)
+                        if not self._put(("batch", frames)):
+                            return  # (stopped: a client that left or was replaced is not remembered)
                         if fresh:
                             self._remember(epoch, seq, arrays, frames)
-                        if not self._put(("batch", frames)):
-                            return
                         seq += 1
                 finally:
                     batches.close()
