@@ -380,7 +380,11 @@ class Server:
         out = dict(self.stats)
         if self.recent is not None:
             out.update(self.recent.stats())
-        out.update(getattr(self.source, "counters", {}))
+        # Read under the counts' own lock: read-ahead, prefetch and worker-pool threads add to
+        # them meanwhile, and a dict that grows while it is copied raises.
+        counts = getattr(self.source, "counters", None)
+        if counts is not None:
+            out.update(counts.snapshot() if hasattr(counts, "snapshot") else dict(counts))
         return out
 
     def _status(self, now: float) -> None:
