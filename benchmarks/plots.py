@@ -8,6 +8,7 @@ reference figures are horizontal lines.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -33,19 +34,23 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def _bars(ax: Any, record: dict[str, Any], unit: str, names: Sequence[str] | None = None) -> None:
+    """Bars at the median with min–max error bars; a contender whose figure was not measured
+    (NaN: no /proc to read a process's CPU time from) gets no bar and says so."""
     names = list(names or record["contenders"])
     stats = [record["contenders"][n][unit] for n in names]
-    med = [s["median"] for s in stats]
-    err = [[m - s["min"] for m, s in zip(med, stats)], [s["max"] - m for m, s in zip(med, stats)]]
+    measured = [all(math.isfinite(s[k]) for k in ("median", "min", "max")) for s in stats]
+    med = [s["median"] if ok else 0.0 for s, ok in zip(stats, measured)]
+    err = [[m - s["min"] if ok else 0.0 for m, s, ok in zip(med, stats, measured)],
+           [s["max"] - m if ok else 0.0 for m, s, ok in zip(med, stats, measured)]]
     colors = [FUELLINE_COLOR if "fuelline" in n.lower() else OTHER_COLOR for n in names]
     ax.bar(range(len(names)), med, yerr=err, capsize=4, color=colors)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels([n.replace(", ", ",\n").replace(" + ", " +\n") for n in names], fontsize=8)
     ax.set_ylabel(f"{unit} (median, min–max)")
-    top = max(s["max"] for s in stats)
-    for i, (m, st) in enumerate(zip(med, stats)):
-        ax.text(i, st["max"], _fmt(m), ha="center", va="bottom", fontsize=8)
-    ax.set_ylim(0, top * 1.15)
+    for i, (m, st, ok) in enumerate(zip(med, stats, measured)):
+        ax.text(i, st["max"] if ok else 0.0, _fmt(m) if ok else "not measured", ha="center", va="bottom", fontsize=8)
+    top = max((s["max"] for s, ok in zip(stats, measured) if ok), default=0.0)
+    ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)
 
 
 def _fmt(v: float) -> str:

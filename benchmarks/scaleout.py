@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, progress, time_batches
-from benchmarks.report import Metric, RatioSpec, build_report, environment, write_results
+from benchmarks.report import Metric, RatioSpec, build_report, environment, server_cpu_ms_per_window, write_results
 from benchmarks.windows import BATCH_SIZE, HWM, QUICK_RECORDINGS, QUICK_SECONDS, RECORDINGS, SECONDS, TIMEOUT_S, ensure_raw
 from fuelline.client import ServerDataStream
 from fuelline.server.ingest.convert import convert
@@ -166,7 +166,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
                                                         work / f"serve-w{w}.log")) for w in WORKERS}
         contenders = [Contender(_name(w), lambda s=servers[w]: read_epoch(s)) for w in WORKERS]
         wps = Metric("windows/s", lambda r: r.rows / r.seconds, "{:,.0f}")
-        cpu = Metric("server CPU ms/window", lambda r: 1e3 * (r.producer_cpu_s or float("nan")) / r.rows, "{:.3f}")
+        cpu = server_cpu_ms_per_window()
         bpw = Metric("KB/window", lambda r: r.bytes / r.rows / 1e3, "{:.1f}")
         results = alternate(contenders, rounds, lambda r: f"{wps.of(r):,.0f} windows/s")
         exits = {name: s.stop() for name, s in ((_name(w), servers[w]) for w in WORKERS)}

@@ -24,7 +24,7 @@ from typing import Any
 
 from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, process_cpu_seconds, progress
 from benchmarks.pipeline import REFERENCE_WINDOWS_PER_S, ensure_dataset, sizes
-from benchmarks.report import Metric, build_report, environment, write_results
+from benchmarks.report import Metric, build_report, environment, server_cpu_ms_per_window, write_results
 from fuelline.server.windows.source import WindowSource
 
 __all__ = ["run"]
@@ -157,7 +157,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
     dataset = str(ensure_dataset(data_dir, size["recordings"], size["seconds"]))
     windows = WindowSource(dataset).rows("train")
     wps = Metric("windows/s", lambda r: r.rows / r.seconds, "{:,.0f}")
-    cpu = Metric("server CPU ms/window", lambda r: 1e3 * (r.producer_cpu_s or float("nan")) / r.rows, "{:.3f}")
+    cpu = server_cpu_ms_per_window()
     describe = lambda r: f"{wps.of(r):,.0f} windows/s"  # noqa: E731
     with tempfile.TemporaryDirectory(prefix="fuelline-bench-") as logs, ExitStack() as stack:
         progress(f"starting {max(CLIENTS)} client processes ...")
