@@ -42,7 +42,7 @@ from fuelline.server.windows.source import WindowSource
 __all__ = ["run", "ensure_dataset", "sizes"]
 
 SEED = 0
-DATASET_FORMAT = 1  # bump when synth or convert change what they write
+DATASET_FORMAT = 2  # bump when synth or convert change what they write
 SPLIT = "train"
 HWM = 10
 TIMEOUT_S = 60.0

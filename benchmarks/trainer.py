@@ -43,7 +43,7 @@ QUICK = {"recordings": 10, "seconds": 40.0, "epochs": 2, "rounds": 1, "configs":
 
 
 def ensure_dataset(data_dir: Path, recordings: int = RECORDINGS, seconds: float = SECONDS) -> Path:
-    data = data_dir / f"trainer-v1-{recordings}rec-{int(seconds)}s-seed{SEED}"
+    data = data_dir / f"trainer-v2-{recordings}rec-{int(seconds)}s-seed{SEED}"
     if not data.is_dir():
         raw = data_dir / f"{data.name}-raw"
         if not raw.is_dir():

@@ -33,7 +33,7 @@ from fuelline.server.windows.source import WindowSource
 __all__ = ["run"]
 
 RECORDINGS, SECONDS, SEED = 40, 60.0, 0
-DATASET_FORMAT = 1  # bump when synth or convert change what they write
+DATASET_FORMAT = 2  # bump when synth or convert change what they write
 BATCH_SIZE = 64
 HWM = 10
 TIMEOUT_S = 60.0

@@ -18,6 +18,7 @@ from fuelline.server.ingest.synth import synthesize
 from fuelline.server.windows.source import SAMPLE_ID_STRIDE, WindowSource
 
 TIMEOUT = 30.0
+SOURCES = ("eeg", "ecg", "gsr", "video", "label", "sample_id", "t_start")
 SECONDS = 24.0
 
 
@@ -187,3 +188,53 @@ def test_inspect_reports_windows_and_compression(probed: Path) -> None:
     assert report["splits"]["train"]["windows"] == src.rows("train")
     assert report["splits"]["train"]["dropped_windows"] == src.dropped("train")
     assert report["compression_ratio"] > 1.0
+
+
+def _rewrite_x(src: Path, dst: Path, make_x) -> None:
+    """A copy of a converted dataset whose ``x`` columns are rebuilt by ``make_x(samples)``."""
+    import shutil
+
+    import pyarrow as pa
+
+    shutil.copytree(src, dst)
+    for path in dst.glob("*/*.parquet"):
+        pf = pq.ParquetFile(path)
+        tables = []
+        for g in range(pf.num_row_groups):
+            table = pf.read_row_group(g)
+            rows = table.column("x").to_pylist()
+            samples = np.frombuffer(b"".join(rows), dtype="<f4").reshape(len(rows), -1)
+            tables.append(pa.table({"t": table.column("t"), "x": make_x(samples)}))
+        with pq.ParquetWriter(path, tables[0].schema) as w:
+            for t in tables:
+                w.write_table(t, row_group_size=t.num_rows)
+
+
+def test_a_format_1_dataset_serves_the_same_windows(probed: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    old = tmp_path / "format1"
+    _rewrite_x(probed, old, lambda s: pa.FixedSizeListArray.from_arrays(pa.array(s.reshape(-1)), s.shape[1]))
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format"] = "fuelline-multimodal/1"
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    new_src, old_src = WindowSource(str(probed), seed=3), WindowSource(str(old), seed=3)
+    a, b = (list(src.iter_batches("train", 0, 0, 1, 0, SOURCES)) for src in (new_src, old_src))
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+def test_an_x_column_of_the_wrong_width_is_named(probed: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+
+    from fuelline.protocol import DataError
+
+    bad = tmp_path / "narrow"
+    # Every sample one channel short: plausible bytes, wrong shape.
+    _rewrite_x(probed, bad, lambda s: pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(4 * (s.shape[1] - 1) or 4), len(s), [None, pa.py_buffer(np.ascontiguousarray(s[:, :-1] if s.shape[1] > 1 else s).tobytes())]))
+    with pytest.raises(DataError, match=r"shard .*part-00000\.parquet, row group \d+ \(recording .*\): column x is fixed_size_binary"):
+        list(WindowSource(str(bad)).iter_batches("train", 0, 0, 1, 0, SOURCES))

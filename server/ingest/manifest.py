@@ -6,7 +6,10 @@ Layout of a converted dataset::
       manifest.json
       <modality>/part-NNNNN.parquet   one file per shard and modality; one row group per recording,
                                       columns ``t`` (float64, master-clock seconds, ascending) and
-                                      ``x`` (fixed_size_list<float32>[channels])
+                                      ``x``: one sample per row, its channels as little-endian
+                                      float32, in a fixed_size_binary[4 * channels] column
+                                      (format 2; format 1, still read, held a
+                                      fixed_size_list<float32>[channels])
 
 The manifest says everything a server needs before reading a sample: the modalities (nominal
 rate, channel names), the emotions, each recording (metadata, split, and per modality where its
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FORMAT",
+    "READABLE_FORMATS",
     "MANIFEST_NAME",
     "EMOTIONS",
     "MODALITIES",
@@ -39,7 +43,10 @@ __all__ = [
     "is_converted_dataset",
 ]
 
-FORMAT = "fuelline-multimodal/1"
+FORMAT = "fuelline-multimodal/2"
+# Format 1 stored ``x`` as a Parquet list, whose repetition levels cost more to decode than the
+# samples themselves; servers still read it.
+READABLE_FORMATS = ("fuelline-multimodal/1", FORMAT)
 MANIFEST_NAME = "manifest.json"
 EMOTIONS = ("neutral", "happiness", "sadness", "surprise", "anger", "fear")
 EEG_CHANNELS = ("AF3", "F7", "F3", "FC5", "T7", "P7", "O1", "O2", "P8", "T8", "FC6", "F4", "F8", "AF4")
@@ -151,8 +158,8 @@ class Manifest:
     @classmethod
     def from_json(cls, data: Mapping[str, Any], where: str = MANIFEST_NAME) -> "Manifest":
         try:
-            if data.get("format") != FORMAT:
-                raise DataError(f"{where}: format {data.get('format')!r} is not {FORMAT!r}")
+            if data.get("format") not in READABLE_FORMATS:
+                raise DataError(f"{where}: format {data.get('format')!r} is not one of {list(READABLE_FORMATS)}")
             modalities = {
                 k: Modality(k, int(v["rate"]), tuple(v["channels"])) for k, v in data["modalities"].items()
             }
@@ -169,6 +176,7 @@ class Manifest:
                 source_bytes=int(data["source_bytes"]), dataset_bytes=int(data["dataset_bytes"]),
                 seed=int(data["seed"]), val_fraction=float(data["val_fraction"]),
                 emotions=tuple(data.get("emotions", EMOTIONS)), extra=data.get("extra", {}),
+                format=data["format"],
             )
         except DataError:
             raise

@@ -96,17 +96,58 @@ def validity(signals: dict[str, Signal], spec: WindowSpec) -> Validity:
     return Validity(starts=starts, valid=reason == "", reason=reason)
 
 
-def resample(sig: Signal, starts: np.ndarray, spec: WindowSpec) -> np.ndarray:
-    """Samples of ``sig`` on the nominal grid of each window: (windows, points, channels)."""
-    n = spec.points(sig.rate)
-    grid = starts[:, None] + np.arange(n) / sig.rate  # (windows, points), master seconds
-    flat = grid.reshape(-1)
+def _on_grid(sig: Signal, grid: np.ndarray) -> np.ndarray:
+    """Samples of ``sig`` at the master times ``grid`` (1-d): (points, channels)."""
     if sig.nearest:
-        j = np.clip(np.searchsorted(sig.t, flat), 1, len(sig.t) - 1)
-        earlier = (flat - sig.t[j - 1]) <= (sig.t[j] - flat)
-        out = sig.x[np.where(earlier, j - 1, j)]
-    else:
-        j = np.clip(np.searchsorted(sig.t, flat, side="right") - 1, 0, len(sig.t) - 2)
-        w = ((flat - sig.t[j]) / (sig.t[j + 1] - sig.t[j])).astype(np.float32)[:, None]
-        out = sig.x[j] * (1 - w) + sig.x[j + 1] * w
-    return out.reshape(len(starts), n, sig.x.shape[1])
+        j = np.clip(np.searchsorted(sig.t, grid), 1, len(sig.t) - 1)
+        earlier = (grid - sig.t[j - 1]) <= (sig.t[j] - grid)
+        return sig.x[np.where(earlier, j - 1, j)]
+    j = np.clip(np.searchsorted(sig.t, grid, side="right") - 1, 0, len(sig.t) - 2)
+    w = ((grid - sig.t[j]) / (sig.t[j + 1] - sig.t[j])).astype(sig.x.dtype)[:, None]
+    out = sig.x[j + 1] - sig.x[j]
+    out *= w
+    out += sig.x[j]
+    return out
+
+
+def _shared_step(sig: Signal, starts: np.ndarray, spec: WindowSpec) -> tuple[int, np.ndarray] | None:
+    """When every start lies a whole number of grid points after the first (the hop is a
+    multiple of the period), the windows share one grid: (points per hop, each window's hop
+    count from the first). None when they do not, or when the windows are so sparse that the
+    shared grid would hold more points than the windows do."""
+    if len(starts) < 2:
+        return None
+    step = spec.hop * sig.rate
+    if abs(step - round(step)) > 1e-9 or round(step) < 1:
+        return None
+    hops = np.rint((starts - starts[0]) / spec.hop).astype(np.int64)
+    if np.abs(starts[0] + hops * spec.hop - starts).max() > 1e-9 * max(1.0, abs(float(starts[-1]))):
+        return None
+    if int(hops[-1]) * round(step) + spec.points(sig.rate) > len(starts) * spec.points(sig.rate):
+        return None
+    return int(round(step)), hops
+
+
+def resample(sig: Signal, starts: np.ndarray, spec: WindowSpec, channels_first: bool = False) -> np.ndarray:
+    """Samples of ``sig`` on the nominal grid of each window: (windows, points, channels), or
+    (windows, channels, points) with ``channels_first``; always a fresh C-contiguous array.
+
+    Overlapping windows (hop < length) share grid points. When the hop is a whole number of
+    periods, the signal is resampled once on one grid, ``starts[0] + i / rate``, and each window
+    is cut from it: every point is computed once however much the windows overlap.
+    """
+    n = spec.points(sig.rate)
+    shared = _shared_step(sig, starts, spec)
+    if shared is None:
+        grid = starts[:, None] + np.arange(n) / sig.rate  # (windows, points), master seconds
+        out = _on_grid(sig, grid.reshape(-1)).reshape(len(starts), n, sig.x.shape[1])
+        return np.ascontiguousarray(out.transpose(0, 2, 1)) if channels_first else out
+    step, hops = shared
+    grid = starts[0] + np.arange(int(hops[-1]) * step + n) / sig.rate
+    values = _on_grid(sig, grid)  # (points, channels)
+    if channels_first:
+        values = np.ascontiguousarray(values.T)  # (channels, points)
+        windows = np.lib.stride_tricks.sliding_window_view(values, n, axis=1)[:, ::step]  # (channels, hops, n)
+        return windows.transpose(1, 0, 2)[hops]
+    windows = np.lib.stride_tricks.sliding_window_view(values, n, axis=0)[::step]  # (hops, channels, n)
+    return windows.transpose(0, 2, 1)[hops]

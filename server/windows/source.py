@@ -36,6 +36,19 @@ SAMPLE_ID_STRIDE = 1_000_000  # windows per recording that sample ids leave room
 NEAREST = {"video"}  # modalities resampled by nearest frame, not interpolation
 
 
+def _samples(column: Any, channels: int, where: str) -> np.ndarray:
+    """A row group's ``x`` column as (samples, channels) float32: fixed-size binary rows of
+    little-endian float32 (format 2) are viewed where they lie; fixed-size lists (format 1) are
+    flattened."""
+    x = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+    if pa.types.is_fixed_size_binary(x.type) and x.type.byte_width == 4 * channels:
+        return np.frombuffer(x.buffers()[1], dtype="<f4", count=len(x) * channels,
+                             offset=x.offset * x.type.byte_width).reshape(len(x), channels)
+    if pa.types.is_fixed_size_list(x.type) and x.type.list_size == channels and pa.types.is_float32(x.type.value_type):
+        return x.flatten().to_numpy().reshape(len(x), channels)
+    raise DataError(f"{where}: column x is {x.type}, the manifest says {channels} float32 channels")
+
+
 @dataclass(frozen=True)
 class WindowColumn:
     name: str
@@ -155,8 +168,9 @@ class WindowSource(UnitSource):
             table = self._read(rec, m, ["t", "x"] if with_samples else ["t"], ranged=not with_samples)
             t = table.column("t").to_numpy()
             if with_samples:
-                x = table.column("x").combine_chunks()
-                x = x.flatten().to_numpy().reshape(len(x), -1)
+                p = rec.modalities[m]
+                x = _samples(table.column("x"), len(self.manifest.modalities[m].channels),
+                             f"shard {self.store.where(p.file)}, row group {p.row_group} (recording {rec.id}, {m})")
             else:
                 x = np.empty((len(t), 0), dtype=np.float32)
             out[m] = Signal(t, x, float(self.manifest.modalities[m].rate), nearest=m in NEAREST)
@@ -200,8 +214,8 @@ class WindowSource(UnitSource):
         signals = self._signals(rec, with_samples=True)
         out: dict[str, np.ndarray] = {}
         for m, sig in signals.items():
-            x = resample(sig, starts, self.spec)  # (windows, points, channels)
-            out[m] = x if m in NEAREST else np.ascontiguousarray(x.transpose(0, 2, 1))
+            # video (windows, points, features), the others (windows, channels, points)
+            out[m] = resample(sig, starts, self.spec, channels_first=m not in NEAREST)
         out["label"] = np.full(len(k), self.manifest.label(rec), dtype=np.int64)
         out["sample_id"] = index * SAMPLE_ID_STRIDE + k.astype(np.int64)
         out["t_start"] = starts
