@@ -19,13 +19,14 @@ import os
 import pickle
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from fuelline.protocol import DataError
 from fuelline.server.counters import Counts
+from fuelline.server.decoded import DecodedUnits
 from fuelline.server.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows, remaining_order
 
 if TYPE_CHECKING:
@@ -54,13 +55,13 @@ class UnitSource(abc.ABC):
     # Attributes a worker process's copy does without (set to None there): a subclass lists what
     # only the serving process uses and would be costly or impossible to pickle.
     _serving_only: tuple[str, ...] = ()
-    _TRANSIENT = ("_pool", "_pool_lock", "_process_pool")
+    _TRANSIENT = ("_pool", "_pool_lock", "_process_pool", "_decoded")
     immutable_batches = True  # batches are never written once yielded (the memory tier keeps them as they are)
     store: Any = None  # where a subclass reads its files (fuelline.server.storage.Store), if it has one
 
     def __init__(
         self, *, batch_size: int, seed: int, shuffle: bool, block_units: int, on_bad_shard: str = "fail",
-        workers: int = 0, prefetch: int = 0,
+        workers: int = 0, prefetch: int = 0, decoded_cache_mb: int = 1024,
     ) -> None:
         if on_bad_shard not in ("fail", "skip"):
             raise DataError(f"--on-bad-shard must be fail or skip, got {on_bad_shard!r}")
@@ -72,6 +73,8 @@ class UnitSource(abc.ABC):
             raise DataError(f"--workers must be >= 0, got {workers}")
         if prefetch < 0:
             raise DataError(f"--prefetch must be >= 0, got {prefetch}")
+        if decoded_cache_mb < 0:
+            raise DataError(f"--decoded-cache-mb must be >= 0, got {decoded_cache_mb}")
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle
@@ -79,12 +82,14 @@ class UnitSource(abc.ABC):
         self.on_bad_shard = on_bad_shard
         self.workers = workers  # processes that decode units; 0: threads of this process
         self.prefetch = prefetch  # blocks ahead whose shards are fetched into the local cache
+        self.decoded_cache_mb = decoded_cache_mb  # decoded units every reader shares (0: none)
         self.skipped: list[dict[str, str]] = []  # shards left out at start-up (skip mode)
         # Event counts for the server's metrics (cache hits and misses per tier, worker restarts...);
         # worker processes count in their own copy and send the increments back with each result.
         self.counters = Counts()
         self._pool: ThreadPoolExecutor | None = None
         self._process_pool: WorkerPool | None = None
+        self._decoded: DecodedUnits | None = None
         self._pool_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -102,6 +107,7 @@ class UnitSource(abc.ABC):
         self.__dict__.update(state)
         self._pool = None
         self._process_pool = None
+        self._decoded = None
         self._pool_lock = threading.Lock()
         for name in self._serving_only:
             setattr(self, name, None)
@@ -184,12 +190,25 @@ class UnitSource(abc.ABC):
             return self._process_pool
 
     def _submitter(self, split: str, columns: Sequence[Column]) -> Callable[[int], Future]:
-        """How a reader has unit ``u`` decoded: by a worker process, or on a read-ahead thread."""
+        """How a reader has unit ``u`` decoded: by a worker process, or on a read-ahead thread,
+        through the decoded units every reader shares (``decoded_cache_mb``)."""
         if self.workers:
             workers = self._worker_pool()
-            return lambda u: workers.submit(split, u, columns)
-        threads = self._readahead_pool()
-        return lambda u: threads.submit(self.decode_unit, split, u, columns)
+            decode: Callable[[int], Future] = lambda u: workers.submit(split, u, columns)  # noqa: E731
+        else:
+            threads = self._readahead_pool()
+            decode = lambda u: threads.submit(self.decode_unit, split, u, columns)  # noqa: E731
+        shared = self._decoded_units()
+        if shared is None:
+            return decode
+        signature = tuple((c.name, str(c.dtype), tuple(c.shape)) for c in columns)
+        return lambda u: shared.get((split, u, signature), lambda: decode(u))
+
+    def _decoded_units(self) -> DecodedUnits | None:
+        with self._pool_lock:
+            if self._decoded is None and self.decoded_cache_mb:
+                self._decoded = DecodedUnits(self.decoded_cache_mb * 2**20, self.counters)
+            return self._decoded
 
     def iter_batches(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
@@ -227,6 +246,9 @@ class UnitSource(abc.ABC):
         with self._pool_lock:
             pool, self._pool = self._pool, None
             workers, self._process_pool = self._process_pool, None
+            decoded, self._decoded = self._decoded, None
+        if decoded is not None:
+            decoded.clear()
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
         if workers is not None:
@@ -238,7 +260,9 @@ class UnitSource(abc.ABC):
 class BlockReader:
     """One client's reader. It holds the block a batch draws from (and the next one, for a
     batch that straddles two) as one table per column, so a shuffled batch is one gather per
-    column and each row group is decoded once per epoch. While a block is served, the next one
+    column. ``submit`` goes through the source's shared decoded units, so each row group is
+    decoded once per epoch for all the ranks of a job, and once only while the decoded data
+    set fits ``decoded_cache_mb``. While a block is served, the next one
     is decoded ahead (``submit``: on the source's read-ahead threads or worker processes), so
     decoding overlaps sending; and ``prefetch`` hears of the units of the ``prefetch_blocks``
     blocks after that one, so remote shards can be fetched before they are decoded."""
@@ -313,7 +337,12 @@ class BlockReader:
         if u in self.lost or future is None:
             return None  # reported once; the wrap-around padding may ask again
         try:
-            return future.result()
+            while True:
+                try:
+                    return future.result()
+                except CancelledError:
+                    # Another client's reader, closing, gave up the decode this one shared.
+                    future = self.submit(u)
         except DataError as exc:
             if not self.skip_bad:
                 raise

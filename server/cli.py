@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--memory-cache", type=_non_negative_int, default=10, metavar="K",
                        help="the last K batches sent to each client are kept (with those prepared ahead of "
                             "them), so a reconnect resumes without recomputing them; 0 for none")
+    serve.add_argument("--decoded-cache-mb", type=_non_negative_int, default=1024, metavar="MB",
+                       help="decoded row groups / recordings kept in memory for all clients to share: the "
+                            "ranks of a job decode each once an epoch, and a data set that fits is decoded "
+                            "once; 0 for none")
     serve.add_argument("--local-ipc", action=argparse.BooleanOptionalAction, default=True,
                        help="also listen on a Unix socket that clients on this host move to (faster than "
                             "TCP; not with --curve-keys)")
@@ -147,7 +151,7 @@ def _open_source(args: argparse.Namespace):
 
     common = dict(batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block,
                   on_bad_shard=args.on_bad_shard, workers=args.workers, prefetch=args.prefetch,
-                  cache_dir=args.cache_dir, cache_mb=args.cache_mb)
+                  decoded_cache_mb=args.decoded_cache_mb, cache_dir=args.cache_dir, cache_mb=args.cache_mb)
     if is_converted_dataset(args.dataset):
         from fuelline.server.windows.source import WindowSource
         from fuelline.server.windows.stages import load_stage

@@ -34,7 +34,7 @@ PLAIN_COUNTERS = (
     ("worker_tasks", "fuelline_worker_tasks", "Units decoded by worker processes."),
     ("workers_restarted", "fuelline_worker_restarts", "Worker processes that died and were replaced."),
 )
-TIERS = ("memory", "disk")
+TIERS = ("memory", "decoded", "disk")
 
 
 class ServerCollector:
@@ -48,9 +48,9 @@ class ServerCollector:
         counts = server.counters()
         for key, name, doc in PLAIN_COUNTERS:
             yield CounterMetricFamily(name, doc, value=counts.get(key, 0))
-        hits = CounterMetricFamily("fuelline_cache_hits", "Cache hits by tier (memory: batches, disk: shards).",
+        hits = CounterMetricFamily("fuelline_cache_hits", "Cache hits by tier (memory: batches, decoded: units, disk: shards).",
                                    labels=["tier"])
-        misses = CounterMetricFamily("fuelline_cache_misses", "Cache misses by tier (memory: batches, disk: shards).",
+        misses = CounterMetricFamily("fuelline_cache_misses", "Cache misses by tier (memory: batches, decoded: units, disk: shards).",
                                      labels=["tier"])
         for tier in TIERS:
             hits.add_metric([tier], counts.get(f"cache_{tier}_hits", 0))
@@ -59,6 +59,8 @@ class ServerCollector:
         yield misses
         yield CounterMetricFamily("fuelline_cache_evictions", "Shards evicted from the disk cache (LRU).",
                                   value=counts.get("cache_disk_evictions", 0))
+        yield CounterMetricFamily("fuelline_decoded_evictions", "Decoded units dropped from memory (LRU, --decoded-cache-mb).",
+                                  value=counts.get("cache_decoded_evictions", 0))
         yield CounterMetricFamily("fuelline_cache_corrupt", "Cached shards that failed verification and were fetched again.",
                                   value=counts.get("cache_disk_corrupt", 0))
         yield from self._clients()

@@ -92,6 +92,8 @@ class ParquetSource(UnitSource):
         block_units: row groups whose rows are mixed together (bounds memory per client to
             ``2 × block_units + 1`` decoded row groups).
         prefetch: blocks ahead whose remote files are fetched into the disk cache in the background.
+        decoded_cache_mb: decoded units kept in memory for every reader to share
+            (``fuelline.server.decoded``); 0 for none.
         cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache``).
 
     Raises:
@@ -103,11 +105,13 @@ class ParquetSource(UnitSource):
         on_bad_shard: str = "fail",
         workers: int = 0,
         prefetch: int = 0,
+        decoded_cache_mb: int = 1024,
         cache_dir: str | None = None,
         cache_mb: int = 10240,
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units,
-                         on_bad_shard=on_bad_shard, workers=workers, prefetch=prefetch)
+                         on_bad_shard=on_bad_shard, workers=workers, prefetch=prefetch,
+                         decoded_cache_mb=decoded_cache_mb)
         self.path = path
         self.store = Store(path, cache_dir=cache_dir, cache_mb=cache_mb, counters=self.counters)
         self._columns: dict[str, ColumnSpec] = {}

@@ -394,7 +394,7 @@ class Server:
         queued = sum(s.queued for s in self.sessions.values())
         counts = self.counters()
         tiers = []
-        for tier in ("memory", "disk"):
+        for tier in ("memory", "decoded", "disk"):
             hits, misses = counts.get(f"cache_{tier}_hits", 0), counts.get(f"cache_{tier}_misses", 0)
             if hits or misses:
                 tiers.append(f"{tier} cache {hits} hits / {misses} misses")

@@ -77,6 +77,8 @@ class WindowSource(UnitSource):
         stages: user stages run on every batch after normalisation (see ``stages``).
         batch_size, seed, shuffle, block_units: as for every unit source.
         prefetch: blocks ahead whose remote files are fetched into the disk cache in the background.
+        decoded_cache_mb: decoded units kept in memory for every reader to share
+            (``fuelline.server.decoded``); 0 for none.
         cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache``).
     """
 
@@ -98,11 +100,13 @@ class WindowSource(UnitSource):
         on_bad_shard: str = "fail",
         workers: int = 0,
         prefetch: int = 0,
+        decoded_cache_mb: int = 1024,
         cache_dir: str | None = None,
         cache_mb: int = 10240,
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units,
-                         on_bad_shard=on_bad_shard, workers=workers, prefetch=prefetch)
+                         on_bad_shard=on_bad_shard, workers=workers, prefetch=prefetch,
+                         decoded_cache_mb=decoded_cache_mb)
         if normalize not in ("zscore", "none"):
             raise DataError(f"--normalize must be zscore or none, got {normalize!r}")
         try:

@@ -1,0 +1,106 @@
+"""Decoded units (recordings, row groups) kept in the serving process, shared by every client.
+
+Each client's reader decodes whole blocks of units and keeps the rows of its own rank, so without
+sharing, the W ranks of one job make a server decode every unit W times an epoch, and every epoch
+decodes the data set again. ``DecodedUnits`` is the one place a reader asks for a unit: the first
+asker's request is decoded, every later asker gets the same future (in flight or done), and
+finished units stay in memory, least recently asked for evicted first, within a byte budget. A
+data set whose decoded form fits the budget is decoded once for as long as the server runs.
+
+Decoding is a pure function of (split, unit, columns), so a kept unit is exactly what decoding it
+again would give; its arrays are made read-only, since every reader shares them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
+from typing import Callable, Hashable
+
+import numpy as np
+
+from fuelline.server.counters import Counts
+
+__all__ = ["DecodedUnits"]
+
+
+class DecodedUnits:
+    """Futures of decoded units by key, within ``budget_bytes`` of finished results.
+
+    Counters: ``cache_decoded_hits`` (a request served by a unit kept or in flight),
+    ``cache_decoded_misses`` (a request that had it decoded), ``cache_decoded_evictions``.
+    A failed or cancelled decode is not kept: the next request tries again.
+    """
+
+    def __init__(self, budget_bytes: int, counters: Counts) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        self.budget = budget_bytes
+        self.counters = counters
+        self._lock = threading.Lock()
+        self._units: OrderedDict[Hashable, Future] = OrderedDict()
+        self._sizes: dict[Hashable, int] = {}  # finished units only
+        self._held = 0
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._units)
+
+    def get(self, key: Hashable, decode: Callable[[], Future]) -> Future:
+        """The future of unit ``key``: the one kept or in flight, else ``decode()``'s."""
+        with self._lock:
+            future = self._units.get(key)
+            if future is not None and not future.cancelled():
+                self._units.move_to_end(key)
+                self.counters.add("cache_decoded_hits")
+                return future
+            future = decode()
+            self._units[key] = future
+            self._units.move_to_end(key)
+            self.counters.add("cache_decoded_misses")
+        future.add_done_callback(lambda f: self._finished(key, f))
+        return future
+
+    def _finished(self, key: Hashable, future: Future) -> None:
+        failed = future.cancelled() or future.exception() is not None
+        size = 0
+        if not failed:
+            for arr in future.result().values():
+                if isinstance(arr, np.ndarray):
+                    arr.setflags(write=False)  # shared by every reader from now on
+                    size += arr.nbytes
+        with self._lock:
+            if self._units.get(key) is not future:
+                return  # replaced meanwhile (it had been cancelled and asked for again)
+            if failed:
+                del self._units[key]
+                return
+            self._sizes[key] = size
+            self._held += size
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop finished units, least recently asked for first, until the rest fit the budget."""
+        if self._held <= self.budget:
+            return
+        for key in list(self._units):
+            if self._held <= self.budget:
+                break
+            size = self._sizes.pop(key, None)
+            if size is None:
+                continue  # still decoding: whoever waits for it holds it
+            del self._units[key]
+            self._held -= size
+            self.counters.add("cache_decoded_evictions")
+
+    def clear(self) -> None:
+        with self._lock:
+            self._units.clear()
+            self._sizes.clear()
+            self._held = 0

@@ -1,0 +1,201 @@
+"""Decoded units shared by every reader of a server: the ranks of a job decode each unit once an
+epoch, a data set that fits is decoded once, and sharing never changes a batch."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fuelline.client import ServerDataStream
+from fuelline.protocol import DataError
+from fuelline.server.blocks import BlockReader
+from fuelline.server.counters import Counts
+from fuelline.server.decoded import DecodedUnits
+from tests.test_metrics_endpoint import metrics_port, scrape
+from tests.worker_fakes import FakeUnits
+
+TIMEOUT = 20.0
+SOURCES = ("x", "sample_id")
+
+
+class CountingUnits(FakeUnits):
+    """FakeUnits that count their decodes, and may hold every decode until ``gate`` is set."""
+
+    def __init__(self, *args, gate: threading.Event | None = None, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.decodes = Counts()
+        self.gate = gate
+
+    def decode_unit(self, split, u, columns):
+        if self.gate is not None and not self.gate.wait(TIMEOUT):
+            raise TimeoutError("the gate was never opened")
+        self.decodes.add(u)
+        return super().decode_unit(split, u, columns)
+
+
+def _epoch(source, epoch: int, rank: int = 0, world: int = 1) -> list[dict[str, np.ndarray]]:
+    return list(source.iter_batches("train", epoch, rank, world, 0, SOURCES))
+
+
+def _same(a: list[dict[str, np.ndarray]], b: list[dict[str, np.ndarray]]) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k], err_msg=k)
+
+
+# -- the cache itself ----------------------------------------------------------------------------
+def test_one_decode_per_key_and_finished_units_are_read_only() -> None:
+    counts = Counts()
+    units = DecodedUnits(1 << 20, counts)
+    calls = []
+    with ThreadPoolExecutor(2) as pool:
+        def decode(u: int) -> Future:
+            calls.append(u)
+            return pool.submit(lambda: {"x": np.full(4, u, dtype=np.float32)})
+
+        a = units.get(("train", 1), lambda: decode(1))
+        b = units.get(("train", 1), lambda: decode(1))
+        c = units.get(("train", 2), lambda: decode(2))
+        assert a is b and a is not c
+        assert a.result(TIMEOUT)["x"].tolist() == [1.0] * 4
+        c.result(TIMEOUT)
+    assert calls == [1, 2]
+    assert counts["cache_decoded_misses"] == 2 and counts["cache_decoded_hits"] == 1
+    with pytest.raises(ValueError, match="read-only"):
+        a.result()["x"][0] = 5.0
+    assert units.held_bytes == 2 * 16
+
+
+def test_least_recently_asked_is_evicted_beyond_the_budget() -> None:
+    counts = Counts()
+    units = DecodedUnits(2 * 400, counts)  # room for two units of 400 bytes
+
+    def done(u: int) -> Future:
+        f: Future = Future()
+        f.set_result({"x": np.full(100, u, dtype=np.float32)})
+        return f
+
+    for u in (1, 2):
+        units.get(u, lambda u=u: done(u))
+    units.get(1, lambda: done(1))  # 1 is now the most recent
+    units.get(3, lambda: done(3))  # over budget: 2 goes
+    assert counts["cache_decoded_evictions"] == 1 and units.held_bytes == 800
+    before = counts["cache_decoded_misses"]
+    units.get(1, lambda: done(1))
+    assert counts["cache_decoded_misses"] == before  # kept
+    units.get(2, lambda: done(2))
+    assert counts["cache_decoded_misses"] == before + 1  # evicted, decoded again
+
+
+def test_a_failed_decode_is_not_kept() -> None:
+    units = DecodedUnits(1 << 20, Counts())
+    attempts = []
+
+    def decode() -> Future:
+        attempts.append(1)
+        f: Future = Future()
+        if len(attempts) == 1:
+            f.set_exception(DataError("shard a.parquet: unreadable"))
+        else:
+            f.set_result({"x": np.zeros(2)})
+        return f
+
+    with pytest.raises(DataError):
+        units.get("k", decode).result()
+    assert units.get("k", decode).result()["x"].shape == (2,)
+    assert len(attempts) == 2
+
+
+# -- through a source ----------------------------------------------------------------------------
+def test_ranks_of_a_job_decode_each_unit_once_an_epoch() -> None:
+    shared = CountingUnits(units=8, rows=10)
+    alone = CountingUnits(units=8, rows=10, decoded_cache_mb=0)
+    try:
+        for source in (shared, alone):
+            # Two ranks read side by side, as two clients of one server do.
+            r0 = source.iter_batches("train", 0, 0, 2, 0, SOURCES)
+            r1 = source.iter_batches("train", 0, 1, 2, 0, SOURCES)
+            got = [b for pair in zip(r0, r1) for b in pair]
+            assert len(got) == 2 * source.batches_per_epoch("train", 0, 2)
+        assert sorted(shared.decodes.values()) == [1] * 8
+        assert sum(alone.decodes.values()) > 8  # unshared, each rank decodes every block it touches
+        # Sharing changes no batch.
+        for rank in (0, 1):
+            _same(_epoch(shared, 1, rank, 2), _epoch(alone, 1, rank, 2))
+    finally:
+        shared.close()
+        alone.close()
+
+
+def test_a_data_set_that_fits_is_decoded_once() -> None:
+    source = CountingUnits(units=6, rows=10)
+    try:
+        first = _epoch(source, 0)
+        _epoch(source, 1)
+        _epoch(source, 2)
+        assert sorted(source.decodes.values()) == [1] * 6
+        assert source.counters["cache_decoded_misses"] == 6
+        # And epoch 0 read again is epoch 0, from memory.
+        _same(_epoch(source, 0), first)
+    finally:
+        source.close()
+
+
+def test_a_closing_reader_does_not_break_the_one_sharing_its_decodes() -> None:
+    gate = threading.Event()
+    source = CountingUnits(units=8, rows=10, block_units=8, gate=gate)
+    reference = CountingUnits(units=8, rows=10, block_units=8, decoded_cache_mb=0)
+    try:
+        columns = source.column_specs(SOURCES)
+        plan = source._plan("train", 0)
+        rows = source.unit_rows("train")
+        # Both readers ask for block 0's eight units; the read-ahead threads (at most four) hold
+        # some while the gate is shut, so the rest are still queued when the first reader closes.
+        leaving = BlockReader(rows, columns, plan, source._submitter("train", columns))
+        staying = BlockReader(rows, columns, plan, source._submitter("train", columns))
+        leaving.close()
+        gate.set()
+        everything = np.arange(int(rows.sum()))
+        got = staying.gather(everything)
+        staying.close()
+        assert source.counters["cache_decoded_misses"] > 8  # cancelled decodes were asked for again
+        want = BlockReader(rows, columns, plan, reference._submitter("train", columns)).gather(everything)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    finally:
+        gate.set()
+        source.close()
+        reference.close()
+
+
+def test_decoded_cache_option_is_checked() -> None:
+    with pytest.raises(DataError, match="--decoded-cache-mb"):
+        FakeUnits(decoded_cache_mb=-1)
+
+
+def test_two_clients_of_a_server_share_decodes(sample_dataset: Path, start_serve) -> None:
+    """Two ranks read one epoch from one server; its metrics count one decode per row group.
+    (TCP only: a client moving to the local socket would drop its first session, whose reader
+    gives up its read-ahead, which is then asked for again.)"""
+    server = start_serve(sample_dataset, "--batch-size", "100", "--metrics-port", "0", "--hwm", "4", "--no-local-ipc")
+    port = metrics_port(server)
+    streams = [ServerDataStream(("sample_id",), endpoints=[server.endpoint], rank=r, world_size=2, hwm=4,
+                                timeout=TIMEOUT, client_id=f"rank{r}") for r in (0, 1)]
+    try:
+        its = [s.get_epoch_iterator() for s in streams]
+        ids = [b[0] for pair in zip(*its) for b in pair]
+    finally:
+        for s in streams:
+            s.close()
+    assert len(np.unique(np.concatenate(ids))) == 8000  # every train row once, across both ranks
+    after = scrape(port)
+    misses = after[("fuelline_cache_misses_total", (("tier", "decoded"),))]
+    hits = after[("fuelline_cache_hits_total", (("tier", "decoded"),))]
+    assert misses == 16  # the sample's train split: 16 row groups of 500 rows
+    assert hits >= 1  # the other rank found what the first had asked for
