@@ -61,7 +61,7 @@ class UnitSource(abc.ABC):
 
     def __init__(
         self, *, batch_size: int, seed: int, shuffle: bool, block_units: int, on_bad_shard: str = "fail",
-        workers: int = 0, prefetch: int = 0, decoded_cache_mb: int = 1024,
+        workers: int = 0, prefetch: int = 0, decoded_cache_mb: int = 1024, worker_timeout: float = 300.0,
     ) -> None:
         if on_bad_shard not in ("fail", "skip"):
             raise DataError(f"--on-bad-shard must be fail or skip, got {on_bad_shard!r}")
@@ -73,6 +73,8 @@ class UnitSource(abc.ABC):
             raise DataError(f"--workers must be >= 0, got {workers}")
         if prefetch < 0:
             raise DataError(f"--prefetch must be >= 0, got {prefetch}")
+        if not worker_timeout >= 0:
+            raise DataError(f"--worker-timeout must be >= 0 seconds, got {worker_timeout}")
         if decoded_cache_mb < 0:
             raise DataError(f"--decoded-cache-mb must be >= 0, got {decoded_cache_mb}")
         self.batch_size = batch_size
@@ -81,6 +83,7 @@ class UnitSource(abc.ABC):
         self.block_units = block_units
         self.on_bad_shard = on_bad_shard
         self.workers = workers  # processes that decode units; 0: threads of this process
+        self.worker_timeout = worker_timeout  # seconds a worker may spend on one unit; 0: no limit
         self.prefetch = prefetch  # blocks ahead whose shards are fetched into the local cache
         self.decoded_cache_mb = decoded_cache_mb  # decoded units every reader shares (0: none)
         self.skipped: list[dict[str, str]] = []  # shards left out at start-up (skip mode)
@@ -182,7 +185,7 @@ class UnitSource(abc.ABC):
         with self._pool_lock:
             if self._process_pool is None:
                 try:
-                    pool = WorkerPool(self, self.workers)
+                    pool = WorkerPool(self, self.workers, task_timeout=self.worker_timeout or None)
                 except (pickle.PicklingError, TypeError, AttributeError) as exc:
                     raise WorkerError(f"--workers: this source cannot be copied into worker processes: {exc}") from exc
                 pool.start()

@@ -46,6 +46,13 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuelline", description="Stream training batches from data servers.")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="least severe log records shown")
@@ -76,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--workers", type=_non_negative_int, default=0,
                        help="processes that load, align and preprocess in parallel; 0 does it on threads of "
                             "the serving process. The batches are the same for any number")
+    serve.add_argument("--worker-timeout", type=_non_negative_float, default=300.0, metavar="SECONDS",
+                       help="a worker process still on one unit after this long is stopped, with where its "
+                            "threads were, replaced, and the unit retried once; 0 for no limit")
     serve.add_argument("--memory-cache", type=_non_negative_int, default=10, metavar="K",
                        help="the last K batches sent to each client are kept (with those prepared ahead of "
                             "them), so a reconnect resumes without recomputing them; 0 for none")
@@ -151,7 +161,8 @@ def _open_source(args: argparse.Namespace):
 
     common = dict(batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block,
                   on_bad_shard=args.on_bad_shard, workers=args.workers, prefetch=args.prefetch,
-                  decoded_cache_mb=args.decoded_cache_mb, cache_dir=args.cache_dir, cache_mb=args.cache_mb)
+                  decoded_cache_mb=args.decoded_cache_mb, worker_timeout=args.worker_timeout,
+                  cache_dir=args.cache_dir, cache_mb=args.cache_mb)
     if is_converted_dataset(args.dataset):
         from fuelline.server.windows.source import WindowSource
         from fuelline.server.windows.stages import load_stage

@@ -94,6 +94,8 @@ class ParquetSource(UnitSource):
         prefetch: blocks ahead whose remote files are fetched into the disk cache in the background.
         decoded_cache_mb: decoded units kept in memory for every reader to share
             (``fuelline.server.decoded``); 0 for none.
+        worker_timeout: seconds a worker process may spend on one unit before its watchdog stops
+            it (``fuelline.server.workers``); 0 for no limit.
         cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache``).
 
     Raises:
@@ -106,12 +108,13 @@ class ParquetSource(UnitSource):
         workers: int = 0,
         prefetch: int = 0,
         decoded_cache_mb: int = 1024,
+        worker_timeout: float = 300.0,
         cache_dir: str | None = None,
         cache_mb: int = 10240,
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units,
                          on_bad_shard=on_bad_shard, workers=workers, prefetch=prefetch,
-                         decoded_cache_mb=decoded_cache_mb)
+                         decoded_cache_mb=decoded_cache_mb, worker_timeout=worker_timeout)
         self.path = path
         self.store = Store(path, cache_dir=cache_dir, cache_mb=cache_mb, counters=self.counters)
         self._columns: dict[str, ColumnSpec] = {}

@@ -23,6 +23,8 @@ How:
   * Workers exit when the serving process goes: their pipe reaches EOF, and a watcher thread
     checks the parent pid every second in case a task is running. faulthandler is on in workers, so
     a crash in native code prints a traceback to the server's stderr.
+  * A worker stuck on one unit past ``task_timeout`` (``--worker-timeout``) dumps where its threads
+    are and exits: a hang is reported and handled like a death, never a silent stall.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ class _Worker:
     conn: Connection
     ready: bool = False
     task: _Task | None = None
+    task_started: float = 0.0  # monotonic time the current task was handed over
     pids: list = field(default_factory=list)
 
     @property
@@ -119,6 +122,9 @@ class WorkerPool:
         workers: how many processes.
         max_restarts: more restarts than this within ``restart_window`` seconds break the pool
             (default 3 × workers).
+        task_timeout: seconds one unit may take; a worker still on it then (a deadlock, a read
+            that never returns) prints every thread's traceback and exits, and is handled as a
+            worker that died: replaced, the unit retried once. None: no limit.
         context: multiprocessing start method, "spawn" or "forkserver" (never "fork").
     """
 
@@ -127,12 +133,15 @@ class WorkerPool:
 
     def __init__(
         self, source: Any, workers: int, *, max_restarts: int | None = None, restart_window: float = 60.0,
-        context: str = "spawn",
+        context: str = "spawn", task_timeout: float | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if context not in ("spawn", "forkserver"):
             raise ValueError(f"context must be spawn or forkserver, got {context!r}")
+        if task_timeout is not None and not task_timeout > 0:
+            raise ValueError(f"task_timeout must be > 0 seconds or None, got {task_timeout!r}")
+        self.task_timeout = task_timeout
         self.source = source
         self.n = workers
         self.max_restarts = 3 * workers if max_restarts is None else max_restarts
@@ -282,7 +291,7 @@ class WorkerPool:
                 with self._lock:
                     self._queue.appendleft(task)  # it never reached the worker: not its fault
                 continue  # the sentinel says what happened to the worker
-            w.task = task
+            w.task, w.task_started = task, time.monotonic()
 
     def _receive(self, w: _Worker) -> None:
         try:
@@ -339,6 +348,10 @@ class WorkerPool:
             w.process.kill()
             w.process.join(self.STOP_TIMEOUT)
         how = describe_exit(w.process.exitcode)
+        stuck = (w.task is not None and self.task_timeout is not None and w.process.exitcode == 1
+                 and time.monotonic() - w.task_started >= self.task_timeout)
+        if stuck:
+            how = f"was stuck for more than {self.task_timeout:g}s and stopped by its watchdog"
         try:  # what it sent before it died still counts (a result, or why it could not start)
             while self._broken is None and w.conn.poll():
                 self._handle(w, w.conn.recv())
@@ -359,7 +372,11 @@ class WorkerPool:
         self._restarts.append(now)
         while self._restarts and self._restarts[0] < now - self.restart_window:
             self._restarts.popleft()
-        hint = "; its traceback (faulthandler) is above in this log" if w.process.exitcode in CRASH_SIGNALS else ""
+        hint = ""
+        if w.process.exitcode in CRASH_SIGNALS:
+            hint = "; its traceback (faulthandler) is above in this log"
+        elif stuck:
+            hint = "; where its threads were (faulthandler) is above in this log"
         if len(self._restarts) > self.max_restarts:
             if task is not None:
                 with self._lock:
@@ -393,7 +410,7 @@ class WorkerPool:
         parent_end, child_end = self._ctx.Pipe(duplex=True)
         level = logging.getLogger().getEffectiveLevel()
         process = self._ctx.Process(
-            target=_worker_main, args=(index, self._payload, child_end, os.getpid(), level),
+            target=_worker_main, args=(index, self._payload, child_end, os.getpid(), level, self.task_timeout),
             name=f"fuelline-worker-{index}", daemon=True,
         )
         process.start()
@@ -472,7 +489,8 @@ def _watch_parent(parent_pid: int, paths: list) -> None:
             os._exit(0)
 
 
-def _worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, log_level: int) -> None:
+def _worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, log_level: int,
+                 task_timeout: float | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
     faulthandler.enable(file=sys.stderr, all_threads=True)
     logging.basicConfig(
@@ -500,6 +518,10 @@ def _worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, 
             return
         task_id, split, u, columns, path = message
         paths[0] = path
+        if task_timeout is not None:
+            # The watchdog: past the limit, every thread's traceback goes to stderr and the
+            # process exits (code 1); the pool sees a death and names the unit.
+            faulthandler.dump_traceback_later(task_timeout, exit=True, file=sys.stderr)
         try:
             arrays = source.decode_unit(split, u, columns)
             layout, size = handoff.write_arrays(path, arrays)
@@ -508,6 +530,9 @@ def _worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, 
         except Exception as exc:
             handoff.unlink(path)
             reply = ("failed", task_id, isinstance(exc, DataError), str(exc), type(exc).__name__, traceback.format_exc())
+        finally:
+            if task_timeout is not None:
+                faulthandler.cancel_dump_traceback_later()
         paths[0] = None
         now = source.counters.snapshot()
         counts = {k: v - seen[k] for k, v in now.items() if v != seen[k]}

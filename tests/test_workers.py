@@ -201,6 +201,35 @@ def test_a_crash_in_native_code_is_named_with_its_signal_and_traceback(pools: li
     assert "Segmentation fault" in err and "decode_unit" in err  # faulthandler's traceback
 
 
+def test_a_worker_stuck_on_a_unit_is_stopped_named_and_its_unit_fails_after_one_retry(
+    pools: list, caplog, capfd
+) -> None:
+    caplog.set_level(logging.INFO, logger="fuelline.server")
+    source = FakeUnits(units=4, behaviour={2: "hang"})
+    columns = source.column_specs(source.sources)
+    pool = start_pool(pools, source, 1, task_timeout=1.0)
+    stuck = pool.submit("train", 2, columns)
+    error = stuck.exception(TIMEOUT)
+    assert isinstance(error, DataError)
+    assert "unit 2 of split train" in str(error) and "was stuck for more than 1s" in str(error)
+    deaths = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(deaths) == 2
+    for message in deaths:
+        assert re.match(r"worker 0 \(pid \d+\) was stuck for more than 1s and stopped by its watchdog "
+                        r"while decoding unit 2 of split train; where its threads were", message), message
+    err = capfd.readouterr().err  # the workers write to this process's stderr
+    assert "Timeout (0:00:01)!" in err and "decode_unit" in err
+    # The pool goes on: the replacement decodes the next unit.
+    assert np.array_equal(pool.submit("train", 3, columns).result(TIMEOUT)["x"], np.full((10, 2), 3, "<f4"))
+
+
+def test_worker_timeout_is_checked() -> None:
+    with pytest.raises(DataError, match="--worker-timeout"):
+        FakeUnits(worker_timeout=-1.0)
+    with pytest.raises(ValueError, match="task_timeout"):
+        WorkerPool(FakeUnits(), 1, task_timeout=0.0)
+
+
 def test_a_unit_whose_first_worker_died_is_retried_once(pools: list, tmp_path: Path, caplog) -> None:
     caplog.set_level(logging.INFO, logger="fuelline.server")
     source = FakeUnits(units=3, behaviour={2: ("exit-once", str(tmp_path / "crashed"))})

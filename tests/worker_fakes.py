@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ class FakeUnits(UnitSource):
     * ``"segv"``: a segmentation fault;
     * ``("exit-once", marker)``: exits with code 4 unless the file ``marker`` exists, which it
       creates first (so the retry in a new worker succeeds);
+    * ``"hang"``: never returns (an hour's sleep);
     * ``"data"``: raises DataError; ``"bug"``: raises ZeroDivisionError.
     """
 
@@ -68,6 +70,8 @@ class FakeUnits(UnitSource):
                 pass
             else:
                 os._exit(4)
+        if how == "hang":
+            time.sleep(3600)  # a read that never returns
         if how == "data":
             raise DataError(f"unit {u} is unreadable on purpose")
         if how == "bug":

@@ -79,6 +79,8 @@ class WindowSource(UnitSource):
         prefetch: blocks ahead whose remote files are fetched into the disk cache in the background.
         decoded_cache_mb: decoded units kept in memory for every reader to share
             (``fuelline.server.decoded``); 0 for none.
+        worker_timeout: seconds a worker process may spend on one unit before its watchdog stops
+            it (``fuelline.server.workers``); 0 for no limit.
         cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache``).
     """
 
@@ -101,12 +103,13 @@ class WindowSource(UnitSource):
         workers: int = 0,
         prefetch: int = 0,
         decoded_cache_mb: int = 1024,
+        worker_timeout: float = 300.0,
         cache_dir: str | None = None,
         cache_mb: int = 10240,
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units,
                          on_bad_shard=on_bad_shard, workers=workers, prefetch=prefetch,
-                         decoded_cache_mb=decoded_cache_mb)
+                         decoded_cache_mb=decoded_cache_mb, worker_timeout=worker_timeout)
         if normalize not in ("zscore", "none"):
             raise DataError(f"--normalize must be zscore or none, got {normalize!r}")
         try:
