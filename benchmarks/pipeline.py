@@ -51,6 +51,7 @@ REFERENCE_WINDOWS_PER_S = 980.0
 DL_WORKERS = (0, 1, 2)
 
 SERVED, IN_PROCESS = "fuelline serve", "in-process WindowSource"
+SERVED_KEPT = "fuelline serve, decoded units kept"
 
 
 def sizes(quick: bool) -> dict[str, Any]:
@@ -215,19 +216,23 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
     epochs = epochs_per_round(quick)
     dataset = str(ensure_dataset(data_dir, size["recordings"], size["seconds"]))
     with tempfile.TemporaryDirectory(prefix="fuelline-bench-") as logs, ExitStack() as stack:
-        source = WindowSource(dataset, batch_size=bs, seed=SEED, block_units=BLOCK_UNITS)
+        # Like for like, every contender decodes every epoch (no decoded units kept); SERVED_KEPT is
+        # the server as it runs by default, keeping decoded units (the split fits its budget).
+        source = WindowSource(dataset, batch_size=bs, seed=SEED, block_units=BLOCK_UNITS, decoded_cache_mb=0)
         stack.callback(source.close)
         windows = source.rows(SPLIT)
         delivered = windows * epochs
         argv = [sys.executable, "-m", "fuelline.server.cli", "serve", dataset, "--port", "0", "--batch-size", str(bs),
                 "--hwm", str(HWM), "--seed", str(SEED), "--shuffle-block", str(BLOCK_UNITS), "--status-interval", "0"]
-        server = stack.enter_context(ServerProcess(SERVED, argv, Path(logs) / "serve.log"))
+        server = stack.enter_context(ServerProcess(SERVED, [*argv, "--decoded-cache-mb", "0"], Path(logs) / "serve.log"))
+        kept = stack.enter_context(ServerProcess(SERVED_KEPT, argv, Path(logs) / "serve-kept.log"))
         loaders = {w: make_dataloader(dataset, bs, w) for w in DL_WORKERS}
         for loader in loaders.values():
             stack.callback(close_dataloader, loader)
         epoch = [0]
         contenders = [
             Contender(SERVED, lambda: _checked(served_round(server, epochs), delivered, SERVED, bs)),
+            Contender(SERVED_KEPT, lambda: _checked(served_round(kept, epochs), delivered, SERVED_KEPT, bs)),
             Contender(IN_PROCESS, lambda: _checked(in_process_round(source, epoch, epochs), delivered, IN_PROCESS, bs)),
             *(Contender(dataloader_name(w), lambda w=w: _checked(dataloader_round(loaders[w], epochs), delivered,
                                                                dataloader_name(w), bs)) for w in DL_WORKERS),
@@ -236,10 +241,11 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         mbs = Metric("MB/s", lambda r: r.bytes / r.seconds / 1e6, "{:,.0f}")
         results = alternate(contenders, rounds, lambda r: f"{wps.of(r):,.0f} windows/s")
         stack.close()
-        exits = {SERVED: server.exit_status}
+        exits = {SERVED: server.exit_status, SERVED_KEPT: kept.exit_status}
     medians = {name: statistics.median(wps.of(r) for r in rs) for name, rs in results.items()}
     best_dl = max((dataloader_name(w) for w in DL_WORKERS), key=medians.__getitem__)
     served_over_ref = medians[SERVED] / REFERENCE_WINDOWS_PER_S
+    kept_over_ref = medians[SERVED_KEPT] / REFERENCE_WINDOWS_PER_S
     parameters = {
         "rounds": rounds, "quick": quick, **size, "seed": SEED, "train_windows": windows, "epochs_per_round": epochs,
         "block_units": BLOCK_UNITS,
@@ -252,22 +258,30 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         f"to back per round, all seven sources, batches of {bs}, shuffled in blocks of 8 recordings.",
         "A rate counts the windows after the first batch over the time from its arrival to the last batch's "
         "(epoch boundaries included, as a trainer sees them).",
-        "fuelline serve: one server process (read-ahead threads, --workers 0) for all rounds, a new client per round; "
-        "in-process: one WindowSource for all rounds, the next epoch each round.",
+        "fuelline serve: one server process (read-ahead threads, --workers 0, --decoded-cache-mb 0: every epoch "
+        "decoded again, as in-process and DataLoader do) for all rounds, a new client per round; in-process: one "
+        "WindowSource (decoded_cache_mb=0) for all rounds, the next epoch each round.",
+        f"{SERVED_KEPT}: a second server with the default --decoded-cache-mb 1024, which holds the decoded split "
+        "after its warm-up pass, so its rounds gather, encode and send but decode nothing: what a long-running "
+        "server gives from its second epoch on when the decoded data set fits its memory. Not like for like; "
+        "the targets are judged on fuelline serve.",
         "DataLoader: IterableDataset over recordings calling WindowSource.decode_unit and finish_batch (the same "
         "alignment, normalisation and cast), batch_size=None, the source built in each worker by worker_init_fn, "
         "persistent workers, pin_memory off, prefetch_factor 2; batches arrive as tensors (zero-copy to numpy).",
         f"best DataLoader: {best_dl}. fuelline serve delivers {served_over_ref:.1f}× the "
-        f"{REFERENCE_WINDOWS_PER_S:.0f} windows/s of the Arrow pipeline this work started from (target ≥ 20×).",
+        f"{REFERENCE_WINDOWS_PER_S:.0f} windows/s of the Arrow pipeline this work started from (target ≥ 20×); "
+        f"with decoded units kept, {kept_over_ref:.1f}×.",
         "Server and consumer share this machine's cores; in-process and DataLoader have no server to share with.",
     ]
     record, md = build_report(
         "pipeline", f"pipeline — aligned AMIGOS windows delivered to a consumer ({size['recordings']} recordings)",
-        results, [wps, mbs], [RatioSpec(SERVED, IN_PROCESS, 1.0), RatioSpec(SERVED, best_dl, 1.0)],
+        results, [wps, mbs], [RatioSpec(SERVED, IN_PROCESS, 1.0), RatioSpec(SERVED, best_dl, 1.0),
+                              RatioSpec(SERVED_KEPT, IN_PROCESS)],
         parameters, notes, env, exits=exits,
         extra={"reference_windows_per_s": REFERENCE_WINDOWS_PER_S, "best_dataloader": best_dl,
                "served_over_reference": {"value": served_over_ref, "target": 20.0,
-                                         "meets_target": served_over_ref >= 20.0}},
+                                         "meets_target": served_over_ref >= 20.0},
+               "kept_over_reference": kept_over_ref},
     )
     print(md, flush=True)
     for path in write_results("pipeline", record, md, results_dir):

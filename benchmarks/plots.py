@@ -103,18 +103,23 @@ def scaling(record: dict[str, Any], results_dir: Path) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     for ax, (key, xlabel) in zip(axes, (("clients", "concurrent clients (one server)"),
                                         ("batch_size", "batch size (one client)"))):
-        part = record[key]
-        xs = part["x"]
-        stats = [part["windows/s"][str(x)] for x in xs]
-        med = [s["median"] for s in stats]
-        err = [[m - s["min"] for m, s in zip(med, stats)], [s["max"] - m for m, s in zip(med, stats)]]
-        ax.errorbar(xs, med, yerr=err, marker="o", capsize=4, color=FUELLINE_COLOR)
+        series = [(record[key], "decoded units shared" if key == "clients" else None, FUELLINE_COLOR)]
+        if key == "clients" and "clients_unshared" in record:
+            series.append((record["clients_unshared"], "unshared (--decoded-cache-mb 0)", OTHER_COLOR))
+        top = 0.0
+        for part, label, color in series:
+            xs = part["x"]
+            stats = [part["windows/s"][str(x)] for x in xs]
+            med = [s["median"] for s in stats]
+            err = [[m - s["min"] for m, s in zip(med, stats)], [s["max"] - m for m, s in zip(med, stats)]]
+            ax.errorbar(xs, med, yerr=err, marker="o", capsize=4, color=color, label=label)
+            top = max(top, max(s["max"] for s in stats))
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs)
         ax.set_xticklabels([str(x) for x in xs])
         ax.set_xlabel(xlabel)
         ax.set_ylabel("aggregate windows/s (median, min–max)")
-        ax.set_ylim(0, max(s["max"] for s in stats) * 1.15)
+        ax.set_ylim(0, top * 1.15)
         ref = record["reference_windows_per_s"]
         _line(ax, ref, f"Arrow pipeline, {ref:.0f}/s")
         ax.legend(fontsize=8, loc="lower right")
@@ -212,12 +217,18 @@ def headlines(results_dir: Path) -> list[dict[str, Any]]:
         add("pipeline", "fuelline serve / in-process (windows/s)", ratio(rec, "fuelline serve / in-process WindowSource"), 1.0)
         add("pipeline", f"fuelline serve / best DataLoader ({best})", ratio(rec, f"fuelline serve / {best}"), 1.0)
         add("pipeline", "fuelline serve / 980 windows/s", rec["served_over_reference"]["value"], 20.0)
+        if "kept_over_reference" in rec:
+            add("pipeline", "fuelline serve, decoded units kept / 980 windows/s (not like for like)",
+                rec["kept_over_reference"], None)
     if (rec := _load(results_dir, "overlap")) is not None:
         add("overlap", "start_server + ServerDataStream: time / ideal", rec["served_over_ideal"], rec["target_max"], False)
         add("overlap", "single process: time / ideal", rec["single_over_ideal"], None, False)
     if (rec := _load(results_dir, "scaling")) is not None:
         c = rec["clients"]
         add("scaling", f"aggregate windows/s, {c['x'][-1]} clients / 1 client", c["speedup_at_max"], None)
+        if "clients_unshared" in rec:
+            u = rec["clients_unshared"]
+            add("scaling", f"same, decoded units unshared ({u['x'][-1]} clients / 1)", u["speedup_at_max"], None)
         b = rec["batch_size"]
         add("scaling", f"windows/s, batch {b['x'][-1]} / batch {b['x'][0]}", b["speedup_at_max"], None)
     if (rec := _load(results_dir, "compression")) is not None:

@@ -56,7 +56,8 @@ def _name(workers: int) -> str:
 
 def serve_argv(dataset: str, *options: str) -> list[str]:
     return [sys.executable, "-m", "fuelline.server.cli", "serve", dataset, "--port", "0",
-            "--batch-size", str(BATCH_SIZE), "--hwm", str(HWM), "--status-interval", "0", *options]
+            "--batch-size", str(BATCH_SIZE), "--hwm", str(HWM), "--status-interval", "0",
+            "--decoded-cache-mb", "0", *options]  # every round decodes: workers and storage are what is timed
 
 
 def read_epoch(server: ServerProcess) -> Round:

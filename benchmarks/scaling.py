@@ -22,6 +22,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, process_cpu_seconds, progress
 from benchmarks.pipeline import REFERENCE_WINDOWS_PER_S, ensure_dataset, sizes
 from benchmarks.report import Metric, build_report, environment, server_cpu_ms_per_window, write_results
@@ -128,9 +130,16 @@ class Clients:
                 proc.join(10)
 
 
-def serve_argv(dataset: str, batch_size: int) -> list[str]:
+def serve_argv(dataset: str, batch_size: int, decoded_mb: int) -> list[str]:
     return [sys.executable, "-m", "fuelline.server.cli", "serve", dataset, "--port", "0", "--batch-size",
-            str(batch_size), "--hwm", str(HWM), "--status-interval", "0"]
+            str(batch_size), "--hwm", str(HWM), "--status-interval", "0", "--decoded-cache-mb", str(decoded_mb)]
+
+
+def decoded_budget_mb(source: WindowSource) -> int:
+    """Half the decoded train split: room for the blocks the clients read side by side, too
+    little to keep the split, so every epoch decodes it again (sharing measured, not keeping)."""
+    row = sum(int(np.prod(c.shape)) * np.dtype(c.dtype).itemsize for c in source.column_specs(source.sources))
+    return max(1, int(source.rows("train") * row / 2 / 2**20))
 
 
 def _series(results: dict[str, list[Round]], xs: tuple[int, ...], name: Any) -> dict[str, Any]:
@@ -144,6 +153,10 @@ def _clients_name(n: int) -> str:
     return f"{n} client{'s' if n > 1 else ''}"
 
 
+def _unshared_name(n: int) -> str:
+    return f"{_clients_name(n)}, unshared"
+
+
 def _batch_name(b: int) -> str:
     return f"batch {b}"
 
@@ -155,7 +168,9 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
     size = sizes(quick)
     epochs = epochs_per_round(quick)
     dataset = str(ensure_dataset(data_dir, size["recordings"], size["seconds"]))
-    windows = WindowSource(dataset).rows("train")
+    probe = WindowSource(dataset)
+    windows, budget = probe.rows("train"), decoded_budget_mb(probe)
+    probe.close()
     wps = Metric("windows/s", lambda r: r.rows / r.seconds, "{:,.0f}")
     cpu = server_cpu_ms_per_window()
     describe = lambda r: f"{wps.of(r):,.0f} windows/s"  # noqa: E731
@@ -164,19 +179,26 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         clients = Clients(max(CLIENTS))
         stack.callback(clients.close)
         bs = size["batch_size"]
-        server = stack.enter_context(ServerProcess("fuelline serve", serve_argv(dataset, bs), Path(logs) / "clients.log"))
-        by_clients = alternate([Contender(_clients_name(n), lambda n=n: clients.read(server, n, epochs)) for n in CLIENTS],
-                               rounds, describe)
-        exits = {f"server, batch {bs}": server.stop()}
-        servers = {b: stack.enter_context(ServerProcess(f"batch {b}", serve_argv(dataset, b), Path(logs) / f"b{b}.log"))
+        shared = stack.enter_context(ServerProcess("fuelline serve", serve_argv(dataset, bs, budget),
+                                                   Path(logs) / "clients.log"))
+        unshared = stack.enter_context(ServerProcess("fuelline serve, unshared", serve_argv(dataset, bs, 0),
+                                                     Path(logs) / "unshared.log"))
+        by_clients = alternate(
+            [c for n in CLIENTS for c in (Contender(_clients_name(n), lambda n=n: clients.read(shared, n, epochs)),
+                                          Contender(_unshared_name(n), lambda n=n: clients.read(unshared, n, epochs)))],
+            rounds, describe)
+        exits = {f"server, batch {bs}": shared.stop(), f"server, batch {bs}, unshared": unshared.stop()}
+        servers = {b: stack.enter_context(ServerProcess(f"batch {b}", serve_argv(dataset, b, budget), Path(logs) / f"b{b}.log"))
                    for b in batch_sizes(quick)}
         by_batch = alternate([Contender(_batch_name(b), lambda s=s: clients.read(s, 1, epochs)) for b, s in servers.items()],
                              rounds, describe)
         exits.update({f"server, batch {b}": s.stop() for b, s in servers.items()})
     clients_part = _series(by_clients, CLIENTS, _clients_name)
+    unshared_part = _series(by_clients, CLIENTS, _unshared_name)
     batch_part = _series(by_batch, batch_sizes(quick), _batch_name)
     parameters = {"rounds": rounds, "quick": quick, **size, "train_windows": windows, "clients": list(CLIENTS),
-                  "batch_sizes": list(batch_sizes(quick)), "epochs_per_round": epochs, "hwm": HWM, "dataset": dataset}
+                  "batch_sizes": list(batch_sizes(quick)), "epochs_per_round": epochs, "hwm": HWM, "dataset": dataset,
+                  "decoded_cache_mb": budget}
     notes = [
         f"{rounds} timed rounds after a warm-up pass of each, contenders alternately; each round {epochs} epochs of "
         f"the train split ({windows} windows an epoch), shared among the clients by rank (rank r of world size N); "
@@ -185,15 +207,18 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         "machine clients and server share the same cores, so more clients compete for them.",
         "Aggregate windows/s: every window received after the first batch of any client, over the time from that "
         "batch to the last batch of any client (one monotonic clock for all client processes).",
-        "Each client's reader decodes every block (8 recordings) its share touches, so N clients of one server "
-        "decode up to N blocks where one client decodes one: more clients cost the server more CPU per window.",
-        f"{CLIENTS[-1]} clients deliver {clients_part['speedup_at_max']:.2f}× the windows/s of one; batch "
+        "Every client's share draws rows from every block (8 recordings). Shared: the server's decoded units "
+        f"(--decoded-cache-mb {budget}, half the decoded split, so each epoch decodes it again) let the N ranks "
+        "decode each recording once an epoch. Unshared (--decoded-cache-mb 0): each rank's reader decodes every "
+        "block its share touches, up to N times the work.",
+        f"{CLIENTS[-1]} clients deliver {clients_part['speedup_at_max']:.2f}× the windows/s of one shared, "
+        f"{unshared_part['speedup_at_max']:.2f}× unshared; batch "
         f"{batch_sizes(quick)[-1]} delivers {batch_part['speedup_at_max']:.2f}× batch {batch_sizes(quick)[0]}.",
     ]
     record, md = build_report(
         "scaling", f"scaling — aggregate windows/s by clients (batch {size['batch_size']}) and by batch size (1 client)",
         {**by_clients, **by_batch}, [wps, cpu], [], parameters, notes, env, exits=exits,
-        extra={"clients": clients_part, "batch_size": batch_part, "reference_windows_per_s": REFERENCE_WINDOWS_PER_S},
+        extra={"clients": clients_part, "clients_unshared": unshared_part, "batch_size": batch_part, "reference_windows_per_s": REFERENCE_WINDOWS_PER_S},
     )
     print(md, flush=True)
     for path in write_results("scaling", record, md, results_dir):

@@ -77,7 +77,7 @@ def time_convert(raw: Path, rounds: int, work: Path) -> dict[str, Any]:
 
 
 def in_process_round(dataset: str, epoch: list[int]) -> Round:
-    src = WindowSource(dataset, batch_size=BATCH_SIZE)
+    src = WindowSource(dataset, batch_size=BATCH_SIZE, decoded_cache_mb=0)
     epoch[0] += 1
     batches = (tuple(b.values()) for b in src.iter_batches("train", epoch[0], 0, 1, 0, src.sources))
     r = time_batches(batches)
@@ -100,7 +100,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         dataset = conv["dataset"]
         windows = WindowSource(dataset).rows("train")
         argv = [sys.executable, "-m", "fuelline.server.cli", "serve", dataset, "--port", "0",
-                "--batch-size", str(BATCH_SIZE), "--hwm", str(HWM)]
+                "--batch-size", str(BATCH_SIZE), "--hwm", str(HWM), "--decoded-cache-mb", "0"]
         server = stack.enter_context(ServerProcess(SERVED, argv, Path(work) / "serve.log"))
         epoch = [0]
         contenders = [
