@@ -120,7 +120,8 @@ def in_process_round(files: list[Path], train_rows: int) -> Round:
 # -- fuelline serve ------------------------------------------------------------------------------
 def serve_process(name: str, dataset: Path, shuffle: bool, log_dir: Path) -> ServerProcess:
     argv = [sys.executable, "-m", "fuelline.server.cli", "serve", str(dataset), "--port", "0",
-            "--batch-size", str(BATCH_SIZE), "--hwm", str(HWM), "--shuffle" if shuffle else "--no-shuffle"]
+            "--batch-size", str(BATCH_SIZE), "--hwm", str(HWM), "--shuffle" if shuffle else "--no-shuffle",
+            "--decoded-cache-mb", "0"]  # like in-process pyarrow, every round reads the files again
     return ServerProcess(name, argv, log_dir / f"{'shuffled' if shuffle else 'ordered'}.log")
 
 
@@ -181,7 +182,9 @@ def run(rounds: int, gb: float, data_dir: Path, results_dir: Path = RESULTS_DIR)
         "in-process pyarrow: ParquetFile(path).iter_batches(batch_size=256) per file, every column to numpy "
         "(fixed-size lists flattened and reshaped), no copy beyond pyarrow's own.",
         "fuelline serve: one server process per mode, started once and kept across rounds; a new "
-        "ServerDataStream(hwm=10) per round; xxh3 checksums on (the default).",
+        "ServerDataStream(hwm=10) per round; xxh3 checksums on (the default); --decoded-cache-mb 0, so every "
+        "round reads and decodes the files again, as in-process does (a server keeping decoded row groups "
+        "would serve its later rounds from memory).",
         "CPU s/GB adds the consumer's and the server's CPU time (all threads, /proc) over the timed span; "
         "in-process has no server.",
     ]
