@@ -3,9 +3,16 @@
 The connection is a small state machine behind a lock, driven by whichever thread needs it. While
 the user waits for a batch, the user's own thread receives, decodes and returns it: no hand-off
 between threads on the hot path (a hand-off per batch cost a fifth of loopback throughput).
-While the user is busy training, a keep-alive thread drives it every quarter heartbeat: it sends
-heartbeats, takes in what has arrived, and notices a silent server. Prefetch needs no thread of
-ours: the server may send up to ``hwm`` batches, which libzmq's I/O thread receives meanwhile.
+While the user is busy training, a keep-alive thread drives it: it decodes and checks what has
+arrived, one batch per turn, so that the user's next ``take`` finds it ready (decoding a 3 MB
+batch and checking its checksum is a few hundred microseconds a step that would otherwise count
+as waiting for data); it sends heartbeats and notices a silent server. Its turns come every
+half millisecond while batches arrive and back off to 20 ms when none do; it stays out of the
+way of a user who comes back for the next batch at once (that user decodes its own batches, on
+the hot path above), and never waits for the lock, which the user's thread holds while it
+drives. Prefetch needs no
+thread of ours: the server may send up to ``hwm`` batches, which libzmq's I/O thread receives
+meanwhile.
 
 The connection tracks the position after the last batch it received. After a silence of three
 server heartbeat intervals, a ``Bye`` or a server restart, it reconnects with backoff and asks for
@@ -15,6 +22,7 @@ after ``timeout`` seconds without hearing from the server.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -81,6 +89,10 @@ class Connection:
 
     BACKOFF_MIN = 0.05
     BACKOFF_MAX = 2.0
+    # Seconds between the keep-alive thread's turns while batches arrive; None: a turn every
+    # quarter heartbeat only, taking in everything there is.
+    READ_AHEAD_TURN: float | None = 0.0005
+    READ_AHEAD_IDLE = 0.02  # the longest pause between turns while nothing arrives
 
     def __init__(
         self,
@@ -116,6 +128,9 @@ class Connection:
         self._stop = threading.Event()
         self._keepalive = threading.Thread(target=self._keep_alive, name=f"fuelline-keepalive-{endpoint}", daemon=True)
         self._items: deque[Item] = deque()
+        self._messages = 0  # received so far (the keep-alive thread's pace follows it)
+        self._taken_at = 0.0  # when the user's thread last took an item
+        self._in_take = False  # the user's thread is in take(), waiting for an item
         self._error: BaseException | None = None
         self._sock: zmq.Socket | None = None
         self._stream = 0  # the user's stream (changes on seek); tags the items handed over
@@ -168,15 +183,20 @@ class Connection:
         """
         deadline = time.monotonic() + wait
         with self._lock:
-            while True:
-                if self._items:
-                    return self._items.popleft()
-                if self._error is not None:
-                    raise self._error
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self._step(min(left, self._tick))
+            self._in_take = True
+            try:
+                while True:
+                    if self._items:
+                        self._taken_at = time.monotonic()
+                        return self._items.popleft()
+                    if self._error is not None:
+                        raise self._error
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return None
+                    self._step(min(left, self._tick))
+            finally:
+                self._in_take = False
 
     def wait_welcome(self, timeout: float) -> Welcome:
         deadline = time.monotonic() + timeout
@@ -213,18 +233,36 @@ class Connection:
 
     # -- keep-alive thread ---------------------------------------------------------------------
     def _keep_alive(self) -> None:
-        while not self._stop.wait(self._tick):
+        interval = self._tick if self.READ_AHEAD_TURN is None else self.READ_AHEAD_TURN
+        while not self._stop.wait(interval):
             # If the user's thread holds the lock, it is driving the connection itself.
-            if not self._lock.acquire(blocking=False):
+            turn = self.READ_AHEAD_TURN
+            if turn is not None and (self._in_take or time.monotonic() - self._taken_at < 2 * turn):
+                # The user is waiting for a batch, or came for one a moment ago and will be back
+                # as soon: a consumer that outpaces the data decodes its own batches, and a turn
+                # here would only take the GIL from it.
+                interval = self.READ_AHEAD_IDLE if self._in_take else 8 * turn
                 continue
+            if not self._lock.acquire(blocking=False):
+                # Back soon: the user may be about to train.
+                interval = self._tick if turn is None else 2 * turn
+                continue
+            received = 0
             try:
                 if self._error is None:
-                    self._step(0.0)
+                    before = self._messages
+                    # One message a turn, so the user's thread is never kept waiting for more.
+                    self._step(0.0, limit=None if turn is None else 1)
+                    received = self._messages - before
             except Exception as exc:  # a bug must surface in the user's thread, not vanish here
                 log.exception("client keep-alive for %s failed", self.endpoint)
                 self._error = exc
             finally:
                 self._lock.release()
+            if turn is None:
+                interval = self._tick
+            else:
+                interval = turn if received > 0 else min(2 * interval, self.READ_AHEAD_IDLE, self._tick)
 
     # -- the state machine (call with the lock held) ----------------------------------------------
     def _hello(self) -> Hello:
@@ -293,9 +331,9 @@ class Connection:
             self._send(Credit(self._pending_credit))
             self._pending_credit = 0
 
-    def _step(self, wait: float) -> None:
-        """Receive what there is (waiting up to ``wait`` seconds), then keep the connection
-        alive: heartbeats, silence detection, reconnection."""
+    def _step(self, wait: float, limit: int | None = None) -> None:
+        """Receive what there is (waiting up to ``wait`` seconds; at most ``limit`` messages),
+        then keep the connection alive: heartbeats, silence detection, reconnection."""
         if self._error is not None:
             return
         now = time.monotonic()
@@ -308,7 +346,7 @@ class Connection:
             self.transport = self.endpoint  # the server may have restarted elsewhere: ask TCP again
             self._open()
         if self._sock is not None and (self._sock.poll(wait * 1000) if wait > 0 else True):
-            self._drain_socket()
+            self._drain_socket(limit)
         if self._sock is not None and not self._connected:  # handshakes happen before a Welcome
             refused = self._watch.check()
             if refused is not None:
@@ -352,13 +390,16 @@ class Connection:
         hint = self._watch.hint()
         return "; ".join(part for part in (detail, hint) if part)
 
-    def _drain_socket(self) -> None:
-        while self._sock is not None and self._error is None:
+    def _drain_socket(self, limit: int | None = None) -> None:
+        for _ in itertools.repeat(None) if limit is None else range(limit):
+            if self._sock is None or self._error is not None:
+                return
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._last_heard = time.monotonic()
+            self._messages += 1
             try:
                 msg = decode(frames, limits=self._limits, verify=self._verify)
             except ProtocolVersionError as exc:

@@ -219,3 +219,25 @@ def test_long_stream_of_small_batches_never_stalls(sample_dataset: Path, start_s
         for _ in range(2):
             ids = np.concatenate([b[0] for b in s.get_epoch_iterator()])
             assert sorted(ids.tolist()) == list(range(8000))
+
+
+def test_batches_are_decoded_ahead_while_the_user_is_busy(sample_dataset: Path, start_serve) -> None:
+    """While the user trains, the keep-alive thread takes in, decodes and checks what has arrived,
+    so the next batch is ready when asked for; without that, it would only wake every quarter
+    heartbeat (2.5 s here), long after the deadline below."""
+    server = start_serve(sample_dataset, "--batch-size", "64", "--hwm", "4")
+    with ServerDataStream(endpoints=[server.endpoint], timeout=TIMEOUT, heartbeat=10.0, hwm=4) as stream:
+        it = stream.get_epoch_iterator(as_dict=True)
+        first = next(it)
+        conn = stream._conns[0]
+        deadline = time.monotonic() + 1.5
+        ready = 0
+        while time.monotonic() < deadline:  # the user "training", looking in now and then
+            ready = len(conn._items)
+            if ready >= 2:
+                break
+            threading.Event().wait(0.01)
+        assert ready >= 2, f"{ready} batches decoded ahead after 1.5 s"
+        rest = list(it)
+    ids = np.concatenate([first["sample_id"], *(b["sample_id"] for b in rest)])
+    assert sorted(ids.tolist()) == list(range(8000))  # nothing lost or repeated on the way
