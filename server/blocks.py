@@ -210,8 +210,26 @@ class UnitSource(abc.ABC):
     def _decoded_units(self) -> DecodedUnits | None:
         with self._pool_lock:
             if self._decoded is None and self.decoded_cache_mb:
-                self._decoded = DecodedUnits(self.decoded_cache_mb * 2**20, self.counters)
+                self._decoded = DecodedUnits(self._decoded_budget(), self.counters)
             return self._decoded
+
+    def _decoded_budget(self) -> int:
+        """``decoded_cache_mb`` in bytes; with worker processes, at most half of /dev/shm, where
+        the units they decode stay for as long as they are kept."""
+        budget = self.decoded_cache_mb * 2**20
+        if self.workers:
+            from fuelline.server import handoff
+
+            room = handoff.shm_size()
+            if room is not None and budget > room // 2:
+                log.warning(
+                    "--decoded-cache-mb %d: keeping at most %d MB of decoded units, half of /dev/shm (%d MB), "
+                    "which the units worker processes decode occupy while kept; give /dev/shm more room "
+                    "(docker --shm-size, a memory-backed emptyDir) to keep more",
+                    self.decoded_cache_mb, room // 2 // 2**20, room // 2**20,
+                )
+                budget = room // 2
+        return budget
 
     def iter_batches(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["ALIGN", "PREFIX", "Layout", "shm_dir", "write_arrays", "map_arrays", "unlink", "sweep_dead"]
+__all__ = ["ALIGN", "PREFIX", "Layout", "shm_dir", "shm_size", "write_arrays", "map_arrays", "unlink", "sweep_dead"]
 
 ALIGN = 64  # bytes: a cache line, and more than any dtype's alignment
 PREFIX = "fuelline-handoff-"  # files are PREFIX + "<serving pid>-<pool>-<task>"
@@ -45,6 +45,20 @@ def shm_dir() -> str:
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
         return "/dev/shm"
     return tempfile.gettempdir()
+
+
+def shm_size() -> int | None:
+    """Bytes of the filesystem hand-off files live in, when it is RAM (/dev/shm: a container's
+    is often 64 MB); None for the temporary directory on disk. A mapped file keeps its space
+    until its arrays are gone, unlinked or not."""
+    directory = shm_dir()
+    if directory != "/dev/shm":
+        return None
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_blocks * st.f_frsize
 
 
 def write_arrays(path: str, arrays: Mapping[str, Any]) -> tuple[Layout, int]:

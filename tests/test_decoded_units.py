@@ -199,3 +199,16 @@ def test_two_clients_of_a_server_share_decodes(sample_dataset: Path, start_serve
     hits = after[("fuelline_cache_hits_total", (("tier", "decoded"),))]
     assert misses == 16  # the sample's train split: 16 row groups of 500 rows
     assert hits >= 1  # the other rank found what the first had asked for
+
+
+def test_with_workers_the_budget_leaves_half_of_dev_shm(monkeypatch, caplog) -> None:
+    """Units from worker processes live in /dev/shm while kept: a container's 64 MB one caps
+    the budget at 32 MB, said in the log; without workers nothing is capped."""
+    from fuelline.server import handoff
+
+    monkeypatch.setattr(handoff, "shm_size", lambda: 64 * 2**20)
+    with_workers = FakeUnits(workers=1, decoded_cache_mb=1024)
+    threads = FakeUnits(workers=0, decoded_cache_mb=1024)
+    assert with_workers._decoded_budget() == 32 * 2**20
+    assert any("half of /dev/shm (64 MB)" in r.getMessage() for r in caplog.records)
+    assert threads._decoded_budget() == 1024 * 2**20
