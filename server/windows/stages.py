@@ -6,8 +6,9 @@ read-ahead threads: ``fuelline.server.windows.align``), then per batch: the user
 order given → ``Cast``.
 A user stage is any callable ``f(batch) -> batch`` named as ``module:function`` on the command
 line (``fuelline serve DATASET --stage mypkg.features:band_power``); it may replace, add or drop
-arrays, and runs on the data server's cores, not in the trainer. ``band_power`` below is an
-example.
+arrays, and runs on the data server's cores, not in the trainer. The arrays it is given may be
+read-only (decoded windows are shared by every client of a server): a stage returns new arrays
+rather than writing into those. ``band_power`` below is an example.
 """
 
 from __future__ import annotations
