@@ -218,7 +218,7 @@ def headlines(results_dir: Path) -> list[dict[str, Any]]:
         add("pipeline", f"fuelline serve / best DataLoader ({best})", ratio(rec, f"fuelline serve / {best}"), 1.0)
         add("pipeline", "fuelline serve / 980 windows/s", rec["served_over_reference"]["value"], 20.0)
         if "kept_over_reference" in rec:
-            add("pipeline", "fuelline serve, decoded units kept / 980 windows/s (not like for like)",
+            add("pipeline", "served, decoded units kept / 980/s (not like for like)",
                 rec["kept_over_reference"], None)
     if (rec := _load(results_dir, "overlap")) is not None:
         add("overlap", "start_server + ServerDataStream: time / ideal", rec["served_over_ideal"], rec["target_max"], False)
@@ -283,15 +283,20 @@ def summary(results_dir: Path) -> list[Path]:
             colors.append(OTHER_COLOR)
         labels.append(f"{r['benchmark']}: {r['what']}")
         values.append(score)
-    ax.barh(range(len(rows)), values, color=colors)
-    for i, (v, r) in enumerate(zip(values, rows)):
-        ax.text(v, i, f"  {r['value']:.3g}", va="center", fontsize=7)
+    # A bar longer than CLIP is cut there (its figure is still printed), so one large ratio
+    # does not flatten every other bar.
+    clip = 3.0
+    shown = [min(v, clip) for v in values]
+    ax.barh(range(len(rows)), shown, color=colors)
+    for i, (v, r) in enumerate(zip(shown, rows)):
+        ax.text(v, i, f"  {r['value']:.3g}" + (" (bar cut)" if values[i] > clip else ""), va="center", fontsize=7)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels(labels, fontsize=7)
     ax.invert_yaxis()
     ax.axvline(1.0, color="black", linewidth=1)
-    ax.set_xlim(0, max([1.0, *values]) * 1.2)
-    ax.set_xlabel("share of target (≥ 1: met; grey: no target, the ratio itself); the figure is printed at each bar")
+    ax.set_xlim(0, max([1.0, *shown]) * 1.25)
+    ax.set_xlabel(f"share of target (≥ 1: met; grey: no target, the ratio itself; bars cut at {clip:g}); "
+                  "the figure is printed at each bar")
     ax.set_title("fuelline benchmarks: headline ratios against targets" + (" (QUICK RUN: not a measurement)" if quick else ""),
                  fontsize=10)
     return [md, _save(fig, results_dir / "summary.png")]
