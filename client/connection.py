@@ -10,9 +10,8 @@ as waiting for data); it sends heartbeats and notices a silent server. Its turns
 half millisecond while batches arrive and back off to 20 ms when none do; it stays out of the
 way of a user who comes back for the next batch at once (that user decodes its own batches, on
 the hot path above), and never waits for the lock, which the user's thread holds while it
-drives. Prefetch needs no
-thread of ours: the server may send up to ``hwm`` batches, which libzmq's I/O thread receives
-meanwhile.
+drives. Prefetch needs no thread of ours: the server may send up to ``hwm`` batches, which
+libzmq's I/O thread receives meanwhile.
 
 The connection tracks the position after the last batch it received. After a silence of three
 server heartbeat intervals, a ``Bye`` or a server restart, it reconnects with backoff and asks for
