@@ -48,7 +48,16 @@ class Column(Protocol):
 class UnitSource(abc.ABC):
     """Base of sources whose data comes in units; subclasses implement ``unit_rows``,
     ``column_specs`` and ``decode_unit``, may override ``finish_batch``, and fill ``_columns``
-    (name -> column with ``to_schema()``, in serving order) and ``_splits`` (name -> split)."""
+    (name -> column with ``to_schema()``, in serving order) and ``_splits`` (name -> split).
+
+    Options every unit source takes:
+        workers: processes that decode units (``fuelline.server.workers``); 0: read-ahead threads.
+        prefetch: blocks ahead whose remote files are fetched into the disk cache in the background.
+        decoded_cache_mb: decoded units kept in memory for every reader to share
+            (``fuelline.server.decoded``); 0 for none.
+        worker_timeout: seconds a worker process may spend on one unit before its watchdog stops
+            it; 0 for no limit.
+    """
 
     _columns: Mapping[str, Any]
     _splits: Mapping[str, Any]

@@ -91,11 +91,8 @@ class ParquetSource(UnitSource):
         shuffle: False serves rows in storage order.
         block_units: row groups whose rows are mixed together (bounds memory per client to
             ``2 × block_units + 1`` decoded row groups).
-        prefetch: blocks ahead whose remote files are fetched into the disk cache in the background.
-        decoded_cache_mb: decoded units kept in memory for every reader to share
-            (``fuelline.server.decoded``); 0 for none.
-        worker_timeout: seconds a worker process may spend on one unit before its watchdog stops
-            it (``fuelline.server.workers``); 0 for no limit.
+        workers, prefetch, decoded_cache_mb, worker_timeout: as for every unit source
+            (``fuelline.server.blocks.UnitSource``).
         cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache``).
 
     Raises:

@@ -76,11 +76,8 @@ class WindowSource(UnitSource):
         normalize: "zscore" (per channel, train-split statistics) or "none".
         stages: user stages run on every batch after normalisation (see ``stages``).
         batch_size, seed, shuffle, block_units: as for every unit source.
-        prefetch: blocks ahead whose remote files are fetched into the disk cache in the background.
-        decoded_cache_mb: decoded units kept in memory for every reader to share
-            (``fuelline.server.decoded``); 0 for none.
-        worker_timeout: seconds a worker process may spend on one unit before its watchdog stops
-            it (``fuelline.server.workers``); 0 for no limit.
+        workers, prefetch, decoded_cache_mb, worker_timeout: as for every unit source
+            (``fuelline.server.blocks.UnitSource``).
         cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache``).
     """
 
