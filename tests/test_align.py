@@ -78,3 +78,23 @@ def test_window_spec_rejects_nonsense() -> None:
         WindowSpec(0.0, 1.0, 2)
     with pytest.raises(ValueError, match="--max-gap"):
         WindowSpec(2.0, 1.0, -1)
+
+
+@pytest.mark.parametrize("nearest", [False, True])
+@pytest.mark.parametrize("hop", [1.0, 0.33])  # a whole number of 128 Hz periods, and not
+def test_resample_matches_each_window_resampled_on_its_own(nearest: bool, hop: float) -> None:
+    """Windows cut from one shared grid (hop a whole number of periods) hold what resampling each
+    window on its own grid gives; so do windows of a hop that is not, which take that route."""
+    from fuelline.server.windows.align import _on_grid, _shared_step
+
+    sig = probe_signal(128, 0.0, 40, drift_ppm=40, jitter_s=0.0003, nearest=nearest, seed=3)
+    spec = WindowSpec(2.0, hop, 2)
+    v = validity({"eeg": sig}, spec)
+    starts = v.starts[v.valid][::2]  # every other window: gaps between the ones asked for
+    assert (_shared_step(sig, starts, spec) is not None) == (hop == 1.0)
+    n = spec.points(sig.rate)
+    own = np.stack([_on_grid(sig, s + np.arange(n) / sig.rate) for s in starts])  # (windows, points, channels)
+    np.testing.assert_allclose(resample(sig, starts, spec), own, rtol=0, atol=1e-9)
+    channels_first = resample(sig, starts, spec, channels_first=True)
+    assert channels_first.flags.c_contiguous
+    np.testing.assert_allclose(channels_first, own.transpose(0, 2, 1), rtol=0, atol=1e-9)
