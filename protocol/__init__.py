@@ -9,6 +9,7 @@ from fuelline.protocol.codec import decode, encode, peek_type
 from fuelline.protocol.errors import (
     ChecksumMismatch,
     DataError,
+    FingerprintMismatch,
     FuellineError,
     MessageTooLarge,
     ProtocolError,
@@ -36,5 +37,5 @@ __all__ = [
     "encode", "decode", "peek_type",
     "Hello", "Welcome", "Credit", "Batch", "EndOfEpoch", "Heartbeat", "Error", "Bye", "Message", "ErrorCode",
     "FuellineError", "ProtocolError", "ProtocolVersionError", "MessageTooLarge", "ChecksumMismatch",
-    "RemoteError", "ServerUnavailable", "ReceiveTimeout", "DataError",
+    "RemoteError", "ServerUnavailable", "ReceiveTimeout", "DataError", "FingerprintMismatch",
 ]

@@ -10,7 +10,9 @@ Frame layout of every message::
 Decoding checks, before anything is allocated: the header size, msgpack string/array/map sizes,
 the nesting depth, the version (an Error is readable from any version), the message type, every
 field, the array count, and per array dtype × shape == nbytes == frame length, then the checksum.
-Nothing is unpickled; a header can only hold plain msgpack values.
+Nothing is unpickled; a header can only hold plain msgpack values. Keys a message does not
+have are ignored, so an optional field (``Welcome.fingerprint``) travels without a new version:
+a peer that predates it reads the rest of the message as before.
 """
 
 from __future__ import annotations

@@ -12,12 +12,16 @@
      │                                    no answer from an endpoint within the client's timeout
      ├── ReceiveTimeout (TimeoutError)    a live server sent no batch within receive_timeout
      └── DataError (ValueError)           bad input data or options: names the file, column, line
+          └── FingerprintMismatch         a server would not continue the same sequence: names
+                                          what differs (seed, files, batch size...) and where
 
 Builtins are subclassed where callers would catch the builtin: a ``ServerUnavailable`` is a
 ``ConnectionError``, a ``ReceiveTimeout`` a ``TimeoutError``.
 """
 
 from __future__ import annotations
+
+from typing import Mapping
 
 __all__ = [
     "FuellineError",
@@ -29,6 +33,7 @@ __all__ = [
     "ServerUnavailable",
     "ReceiveTimeout",
     "DataError",
+    "FingerprintMismatch",
 ]
 
 
@@ -94,3 +99,48 @@ class ReceiveTimeout(FuellineError, TimeoutError):
 
 class DataError(FuellineError, ValueError):
     """Bad input data or options; the message names the file, column, line or option."""
+
+
+class FingerprintMismatch(DataError):
+    """A server's sequence fingerprint differs from the one a reader holds to: batch positions
+    there would mean other batches, so reading on would repeat and skip samples.
+
+    Attributes:
+        pinned, got: the two fingerprints (``got`` is None for a server that sends none).
+        pinned_at, got_at: where each comes from, as the message says it ("in the saved
+            position", "at tcp://host:port").
+        context: what the message starts with (which servers were compared).
+        differences: the names of the parts that differ, sorted.
+    """
+
+    def __init__(
+        self, pinned: Mapping[str, str], got: Mapping[str, str] | None, pinned_at: str, got_at: str,
+        context: str = "",
+    ) -> None:
+        self.pinned = dict(pinned)
+        self.got = None if got is None else dict(got)
+        self.pinned_at = pinned_at
+        self.got_at = got_at
+        self.context = context
+        if self.got is None:
+            self.differences = sorted(self.pinned)
+            detail = (f"the server {got_at} sends no sequence fingerprint, so nothing shows that it "
+                      f"continues the sequence {pinned_at}")
+        else:
+            theirs = self.got
+            self.differences = sorted(k for k in {*self.pinned, *theirs} if self.pinned.get(k) != theirs.get(k))
+            detail = "; ".join(
+                f"{k} is {_part(self.pinned, k)} {pinned_at} and {_part(theirs, k)} {got_at}" for k in self.differences
+            )
+        super().__init__(
+            f"{context}{detail}: positions there mean other batches, so none of its batches is delivered; "
+            "serve the same files with the same options"
+        )
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from its parts, not its message, when it crosses a process boundary.
+        return type(self), (self.pinned, self.got, self.pinned_at, self.got_at, self.context)
+
+
+def _part(fingerprint: Mapping[str, str], key: str) -> str:
+    return repr(fingerprint[key]) if key in fingerprint else "absent"

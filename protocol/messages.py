@@ -9,7 +9,7 @@ Conversation (client = DEALER, server = ROUTER; the routing id identifies the co
 
     client                                   server
     Hello(stream, epoch, cursor, credit) ──▶
-                                         ◀── Welcome(stream, sources, schema, batches_per_epoch)
+                                         ◀── Welcome(stream, sources, schema, batches_per_epoch, fingerprint)
                                          ◀── Batch(stream, epoch, seq) × at most `credit` in flight
     Credit(n) ─────────────────────────────▶ (one per batch the client has handed to its user)
                                          ◀── EndOfEpoch(stream, epoch, batches), then the next epoch
@@ -44,6 +44,9 @@ __all__ = [
 
 VERSION = 1
 MAX_HISTORY_WORLD = 1 << 20  # most ranks a resume segment (Hello.history) may name
+MAX_FINGERPRINT_PARTS = 64  # entries of Welcome.fingerprint
+MAX_FINGERPRINT_KEY = 64  # characters of a part's name
+MAX_FINGERPRINT_VALUE = 256  # characters of a part's value
 
 
 class ErrorCode:
@@ -80,6 +83,19 @@ def _check_names(owner: str, name: str, value: Any) -> None:
         raise ValueError(f"{owner}.{name} must be a tuple of non-empty strings, got {value!r:.100}")
     if len(set(value)) != len(value):
         raise ValueError(f"{owner}.{name} names a source twice: {value!r:.100}")
+
+
+def _checked_fingerprint(value: Any) -> dict[str, str]:
+    if not isinstance(value, Mapping) or len(value) > MAX_FINGERPRINT_PARTS:
+        raise ValueError(f"Welcome.fingerprint must be a map of at most {MAX_FINGERPRINT_PARTS} parts, got {value!r:.60}")
+    for k, v in value.items():
+        if not isinstance(k, str) or not 0 < len(k) <= MAX_FINGERPRINT_KEY:
+            raise ValueError(f"Welcome.fingerprint part names must be strings of 1 to {MAX_FINGERPRINT_KEY} "
+                             f"characters, got {k!r:.80}")
+        if not isinstance(v, str) or len(v) > MAX_FINGERPRINT_VALUE:
+            raise ValueError(f"Welcome.fingerprint part {k!r} must be a string of at most {MAX_FINGERPRINT_VALUE} "
+                             f"characters, got {v!r:.80}")
+    return dict(value)  # a plain dict: what msgpack encodes, whatever mapping it was given
 
 
 @dataclass(frozen=True)
@@ -170,6 +186,11 @@ class Welcome:
             ``{"endpoint": "ipc:///…/server.sock", "token": "…"}``. The server wrote ``token``
             into ``<socket path>.token``; a client that reads the same token there shares the
             server's filesystem, so the ipc endpoint reaches the same server.
+        fingerprint: the sequence fingerprint of the split, or None from a source that cannot
+            tell: named parts (``"seed": "0"``, ``"files": "4 files #…"``...) of everything that
+            decides which batch a position means. A client holds a stream to the first one it
+            sees and refuses a server (restarted, or another of the same reader) whose
+            fingerprint differs. Optional on the wire: peers that predate it ignore the key.
     """
 
     TYPE: ClassVar[str] = "welcome"
@@ -181,9 +202,12 @@ class Welcome:
     heartbeat: float
     info: Mapping[str, Any] = field(default_factory=dict)
     local: Mapping[str, str] | None = None
+    fingerprint: Mapping[str, str] | None = None
 
     def __post_init__(self) -> None:
         _check_str("Welcome", "session", self.session)
+        if self.fingerprint is not None:
+            object.__setattr__(self, "fingerprint", _checked_fingerprint(self.fingerprint))
         if self.local is not None:
             if not isinstance(self.local, Mapping) or set(self.local) != {"endpoint", "token"}:
                 raise ValueError("Welcome.local must be a map of endpoint and token")

@@ -172,6 +172,10 @@ BAD_FIELDS = [
     (EndOfEpoch(0, 0, 0), "batches", -1), (EndOfEpoch(0, 0, 0), "epoch", True),
     (WELCOME, "schema", {"y": {}}), (WELCOME, "sources", ["x", "x"]), (WELCOME, "heartbeat", math.nan),
     (WELCOME, "batches_per_epoch", -1), (WELCOME, "batches_per_epoch", False), (WELCOME, "info", [1]),
+    (WELCOME, "fingerprint", ["seed", "0"]), (WELCOME, "fingerprint", {"seed": 0}),
+    (WELCOME, "fingerprint", {"seed": None}), (WELCOME, "fingerprint", {"": "0"}),
+    (WELCOME, "fingerprint", {"seed": "0" * 257}), (WELCOME, "fingerprint", {"k" * 65: "0"}),
+    (WELCOME, "fingerprint", {f"part{i}": "0" for i in range(65)}),
     (Error("c", "m"), "fatal", 1), (Error("c", "m"), "code", ""), (Error("c", "m"), "message", None),
     (Bye(), "reason", 5),
 ]

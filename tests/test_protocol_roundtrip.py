@@ -77,6 +77,8 @@ MESSAGES = [
     Welcome("sess-1", 3, ("x", "y"), {"x": {"dtype": "<f4", "shape": [28, 28]}, "y": {"dtype": None, "shape": None}},
             batches_per_epoch=100, heartbeat=2.0, info={"rows": 60000, "splits": ["train", "val"], "seed": 1.5}),
     Welcome("s", 0, (), {}, None, 1),
+    Welcome("s", 1, (), {}, 4, 1.0, fingerprint={"seed": "0", "files": "4 files #0123456789abcdef",
+                                                  "stages": "", "x" * 64: "y" * 256}),
     Credit(1),
     Credit(2**40),
     EndOfEpoch(stream=1, epoch=2, batches=3),
@@ -109,6 +111,16 @@ def test_header_carries_version_and_type(msg):
     assert header["v"] == VERSION
     assert header["t"] == msg.TYPE
     assert peek_type(encode(msg)) == msg.TYPE
+
+
+def test_a_welcome_fingerprint_is_optional_on_the_wire():
+    """A peer that predates the fingerprint sends no key (read as None) and ignores the key it
+    does not know, so the version stays the same."""
+    fp = {"seed": "0"}
+    header = msgpack.unpackb(encode(Welcome("s", 0, (), {}, None, 1, fingerprint=fp))[0])
+    assert header["v"] == VERSION and header["fingerprint"] == fp
+    del header["fingerprint"]
+    assert decode([msgpack.packb(header)]).fingerprint is None
 
 
 # --- batches: dtypes, shapes, layouts -------------------------------------------------------
