@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True, help="xxh3 checksum per array")
     serve.add_argument("--curve-keys", metavar="DIR",
                        help="encrypt with CURVE and accept only the client keys in DIR/authorized/ (fuelline keygen)")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow a --host other than loopback without --curve-keys (anyone who reaches the port "
+                            "reads the data): only for a network that is private by other means")
     serve.add_argument("--status-interval", type=float, default=10.0,
                        help="seconds between status lines in the log (clients, batches/s, MB/s); 0 for none")
     serve.add_argument("--on-bad-shard", choices=["fail", "skip"], default="fail",
@@ -185,10 +188,17 @@ def _describe(info: dict) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from fuelline.server.keys import CurveConfig
+    from fuelline.server.keys import CurveConfig, is_loopback
     from fuelline.server.serving import Server
     from fuelline.server.start import serve_until_signalled
 
+    if not args.curve_keys and not args.insecure and not is_loopback(args.host):
+        raise DataError(
+            f"refusing to serve on --host {args.host} without --curve-keys: anyone who can reach the port could "
+            "read the data. Create keys (`fuelline keygen keys/`, `fuelline keygen ckeys/ --name client`, then copy "
+            "keys/server.key to ckeys/ and ckeys/client.key to keys/authorized/) and serve with --curve-keys keys/; "
+            "or pass --insecure on a network that is private by other means"
+        )
     curve = CurveConfig.from_dir(args.curve_keys) if args.curve_keys else None  # before the dataset: fail fast
     source = _open_source(args)
     for split in source.splits:
@@ -202,7 +212,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise DataError(f"--status-interval must be >= 0 seconds, got {args.status_interval}")
     server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum,
                     curve=curve, status_interval=args.status_interval, memory_cache=args.memory_cache,
-                    local_ipc=args.local_ipc)
+                    local_ipc=args.local_ipc, insecure=args.insecure)
     try:
         server.bind()
     except Exception as exc:

@@ -12,8 +12,6 @@ import errno
 import logging
 import os
 import secrets
-import shutil
-import tempfile
 import threading
 import time
 import uuid
@@ -26,6 +24,7 @@ from fuelline.protocol import (
     VERSION,
     Bye,
     Credit,
+    DataError,
     Error,
     ErrorCode,
     Heartbeat,
@@ -38,6 +37,7 @@ from fuelline.protocol import (
     encode,
 )
 from fuelline.server.keys import CurveConfig, is_loopback, start_authenticator
+from fuelline.server.local_ipc import LocalSocketDir
 from fuelline.server.recent import RecentBatches
 from fuelline.server.session import Session
 from fuelline.server.sources import BatchSource
@@ -64,11 +64,13 @@ class Server:
         limits: hard limits on what the server decodes.
         curve: encrypt, and accept only the clients whose keys it lists
             (``CurveConfig.from_dir(DIR)``); None serves in the clear, which off loopback is
-            logged as a warning.
+            refused unless ``insecure``.
         status_interval: seconds between status lines in the log; 0 for none.
         local_ipc: also listen on a Unix socket (in a private temporary folder, mode 700: only
             this user's processes reach it) and offer it to clients in their Welcome: one on this
             host moves there, remote ones keep TCP. Not with ``curve``.
+        insecure: serve in the clear off loopback. Without it, a ``host`` other than loopback
+            needs ``curve``: an open port would serve the data to anyone who reaches it.
         memory_cache: the last K batches sent to each client are kept (with those prepared ahead
             of them), so a reconnecting client gets them without recomputation
             (``fuelline.server.recent``); 0 keeps none.
@@ -89,6 +91,7 @@ class Server:
         status_interval: float = 0.0,
         memory_cache: int = 10,
         local_ipc: bool = True,
+        insecure: bool = False,
     ) -> None:
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
@@ -102,11 +105,17 @@ class Server:
         self.checksum = checksum
         self.limits = limits
         self.curve = curve
+        if curve is None and not insecure and not is_loopback(host):
+            raise DataError(
+                f"refusing to serve on {host} without CURVE: anyone who can reach the port could read the data. "
+                "Create keys with `fuelline keygen DIR` and pass curve=CurveConfig.from_dir(DIR), or "
+                "insecure=True for a network that is private by other means"
+            )
         self._auth: Any = None  # the ZAP authenticator thread, while CURVE is on
         self.sessions: dict[bytes, Session] = {}
         self.local_ipc = local_ipc
         self.local: dict[str, str] | None = None  # the ipc endpoint and its token, once bound
-        self._ipc_dir: str | None = None
+        self._ipc_dir: LocalSocketDir | None = None
         # The memory tier: the last K batches sent to each client, plus the up to hwm prepared
         # ahead of them (held anyway), so a client that lost its in-flight batches gets them again.
         self.recent = RecentBatches(memory_cache + hwm) if memory_cache else None
@@ -158,8 +167,8 @@ class Server:
 
     def _bind_local(self, router: zmq.Socket) -> None:
         """The Unix socket that clients on this host move to, with the token that proves it."""
-        self._ipc_dir = tempfile.mkdtemp(prefix="fuelline-")
-        path = os.path.join(self._ipc_dir, "server.sock")
+        self._ipc_dir = LocalSocketDir()  # (sweeps the folders of servers killed before they could)
+        path = self._ipc_dir.socket_path
         router.bind(f"ipc://{path}")
         token = secrets.token_hex(16)
         with open(path + ".token", "w") as f:
@@ -168,17 +177,16 @@ class Server:
 
     def _remove_local(self) -> None:
         if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
+            self._ipc_dir.remove()
             self._ipc_dir = None
 
     def _secure(self, router: zmq.Socket) -> None:
         """CURVE on the socket (before bind), or a warning where the clear text can leave the machine."""
         if self.curve is None:
-            if not is_loopback(self.host):
+            if not is_loopback(self.host):  # (only when asked for: see insecure in __init__)
                 log.warning(
-                    "serving on %s without encryption or authentication: anyone who can reach this port "
-                    "can read the data; create keys with `fuelline keygen` and serve with --curve-keys DIR "
-                    "(Server(curve=CurveConfig.from_dir(DIR)))",
+                    "serving on %s without encryption or authentication (insecure): anyone who can reach "
+                    "this port can read the data",
                     self.host,
                 )
             return

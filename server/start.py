@@ -40,6 +40,7 @@ def start_server(
     checksum: bool = True,
     curve_keys: str | None = None,
     memory_cache: int = 10,
+    insecure: bool = False,
 ) -> None:
     """Serve a data stream to ``ServerDataStream`` clients until SIGTERM/SIGINT, as Fuel did.
 
@@ -54,16 +55,18 @@ def start_server(
         checksum: checksum every array (xxh3).
         curve_keys: a directory made with ``fuelline keygen`` (``server.key_secret``, and
             ``authorized/`` with the public key of every client to accept): encrypt and
-            authenticate with CURVE. None serves in the clear (a warning off loopback).
+            authenticate with CURVE. None serves in the clear, which off loopback needs ``insecure``.
         memory_cache: the last K batches sent to each client are kept, so a client that
             reconnects gets them again without the stream being run again. They are kept by
             reference with the checksums they were sent with: a batch whose arrays changed since
             (a stream that reuses its buffers) is prepared again instead. 0 keeps none.
+        insecure: allow a ``host`` other than loopback without ``curve_keys`` (refused otherwise:
+            anyone who reaches the port would read the data).
     """
     source = data_stream if hasattr(data_stream, "iter_batches") else FuelStreamSource(data_stream)
     curve = CurveConfig.from_dir(curve_keys) if curve_keys is not None else None
     server = Server(source, host=host, port=port, hwm=hwm, heartbeat=heartbeat, checksum=checksum, curve=curve,
-                    memory_cache=memory_cache)
+                    memory_cache=memory_cache, insecure=insecure)
     server.bind()
     try:
         serve_until_signalled(server)

@@ -1,7 +1,7 @@
 """CURVE: keygen, an authorized client streams, everyone else is refused with a clear error.
 
-Servers are real ``fuelline serve`` processes on ephemeral loopback ports; the one bound to
-0.0.0.0 only has its log read, and no traffic is sent to it.
+Servers are real ``fuelline serve`` processes on ephemeral loopback ports; those bound to
+0.0.0.0 only have their log read, and no traffic is sent to them.
 """
 
 from __future__ import annotations
@@ -158,13 +158,38 @@ def test_in_process_server_stops_its_authenticator(sample_dataset: Path, keys) -
     assert not any(type(t).__name__ == "AuthenticationThread" for t in threading.enumerate())
 
 
-def test_off_loopback_without_curve_warns(sample_dataset: Path, start_serve, keys) -> None:
-    plain = start_serve(sample_dataset, "--host", "0.0.0.0")
-    plain.wait_log(r"serving on 0\.0\.0\.0 without encryption.*fuelline keygen.*--curve-keys", timeout=5.0)
+def test_off_loopback_without_curve_is_refused_unless_insecure(sample_dataset: Path, start_serve, keys) -> None:
+    # Refused before it opens the dataset or binds: nothing listens, and the message says what to do.
+    refused = subprocess.run(
+        [sys.executable, "-m", "fuelline.server.cli", "serve", str(sample_dataset), "--host", "0.0.0.0", "--port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert "serving on" not in refused.stdout
+    assert "--host 0.0.0.0 without --curve-keys" in refused.stderr
+    assert "fuelline keygen" in refused.stderr and "--insecure" in refused.stderr
+    # The operator may insist, and is warned; with CURVE there is nothing to warn about.
+    plain = start_serve(sample_dataset, "--host", "0.0.0.0", "--insecure")
+    plain.wait_log(r"serving on 0\.0\.0\.0 without encryption or authentication \(insecure\)", timeout=5.0)
     assert plain.terminate() == 0
     secured = start_serve(sample_dataset, "--host", "0.0.0.0", "--curve-keys", str(keys["server"]))
     assert secured.terminate() == 0
     assert "without encryption" not in secured.log()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_library_refuses_an_open_bind_without_insecure(sample_dataset: Path, host: str) -> None:
+    source = ParquetSource(str(sample_dataset), batch_size=1000)
+    try:
+        with pytest.raises(DataError, match=r"without CURVE.*fuelline keygen.*insecure=True"):
+            Server(source, host=host, port=0)
+        server = Server(source, host=host, port=0, insecure=True, local_ipc=False)
+        server.start()  # (binds; no traffic is sent to it)
+        server.stop()
+        server.join(10)
+        assert not server._thread.is_alive()  # noqa: SLF001
+    finally:
+        source.close()
 
 
 @pytest.mark.parametrize(

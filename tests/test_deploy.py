@@ -30,6 +30,7 @@ from unittest import mock
 import pytest
 
 from fuelline.server.cli import build_parser
+from fuelline.server.keys import is_loopback
 from fuelline.trainer.cli import parse_args as parse_trainer_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,6 +137,10 @@ def check_command(argv: Sequence[str], where: str) -> Command:
         rest = argv[1:] if program == "fuelline" else argv[3:]
         cmd.fuelline = _parse(lambda a: build_parser().parse_args(a), rest, argv, where,
                               "fuelline's parser (build_parser)")
+        ns = cmd.fuelline
+        if ns.command == "serve" and not is_loopback(ns.host) and not ns.curve_keys and not ns.insecure:
+            pytest.fail(f"{where}: serves on {ns.host} without --curve-keys or --insecure, which `fuelline serve` "
+                        f"refuses at start-up: {shlex.join(argv)}", pytrace=False)
     elif program == "torchrun" or python_module == "torch.distributed.run":
         options = argv[1:] if program == "torchrun" else argv[3:]
         _check_torchrun(cmd, options)
