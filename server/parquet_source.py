@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from fuelline.protocol import DataError
 from fuelline.server.columns import ColumnSpec, column_spec, to_numpy
 from fuelline.server.blocks import UnitSource
+from fuelline.server.fingerprint import files_part, skipped_summary, unit_parts
 from fuelline.server.storage import Store, storage_info
 
 __all__ = ["ParquetSource", "find_splits"]
@@ -123,6 +124,8 @@ class ParquetSource(UnitSource):
             )
         for reason in self.unservable.values():
             log.warning("not serving %s", reason)
+        # Taken from the files as scanned: what this server's positions mean from now on.
+        self._fingerprints = {name: self._fingerprint(sp) for name, sp in self._splits.items()}
 
     # -- scanning ----------------------------------------------------------------------------
     def _scan(self, split: str, rels: list[str]) -> _Split:
@@ -218,8 +221,21 @@ class ParquetSource(UnitSource):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_block": self.block_units,
-            "skipped_shards": [x for x in self.skipped if x["split"] == split],
+            **skipped_summary(self.skipped, split, "skipped_shards"),
             "storage": storage_info(self.store),
+        }
+
+    def fingerprint(self, split: str) -> dict[str, str]:
+        """What decides the sequence of a split (see ``fuelline.server.fingerprint``): its files
+        (relative names, sizes, mtimes), seed, batch size and shuffle."""
+        return dict(self._fingerprints[split])
+
+    def _fingerprint(self, sp: _Split) -> dict[str, str]:
+        return {
+            "kind": "parquet",
+            "split": sp.name,
+            "files": files_part([self.store.stat(rel) for rel in sp.rels], mtimes=True),
+            **unit_parts(self.batch_size, self.seed, self.shuffle, self.block_units),
         }
 
     def memory_per_client(self, split: str) -> int:

@@ -365,6 +365,8 @@ class Server:
             heartbeat=self.heartbeat,
             info=dict(src.info(hello.split)),
             local=self.local,
+            # A source without one (a Fuel-style stream) leaves its clients nothing to hold to.
+            fingerprint=getattr(src, "fingerprint", lambda split: None)(hello.split),
         )
         if self._send(rid, encode(welcome)):
             if old is None:

@@ -33,6 +33,14 @@ class BatchSource(Protocol):
     def info(self, split: str) -> Mapping[str, Any]:
         """Plain facts about a split, sent to clients in their Welcome."""
 
+    def fingerprint(self, split: str) -> dict[str, str]:
+        """The sequence fingerprint of a split, sent to clients in their Welcome: named parts (at
+        most 64, values of at most 256 characters) of everything that decides which batch a
+        position means (files, seed, batch size, shuffle, windowing, stages...), and nothing that
+        does not (workers, caches, where the files are mounted). Clients refuse a server whose
+        fingerprint differs from the one their position was read under, naming the part. See
+        ``fuelline.server.fingerprint``."""
+
     def batches_per_epoch(self, split: str, rank: int, world_size: int) -> int | None:
         """Batches each rank gets per epoch, or None if unknown until the epoch ends."""
 

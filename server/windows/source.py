@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError
 from fuelline.server.blocks import UnitSource
+from fuelline.server.fingerprint import callable_name, digest, files_part, skipped_summary, text_part, unit_parts
 from fuelline.server.storage import Store, storage_info
 from fuelline.server.ingest.manifest import MODALITIES, Manifest, Recording
 from fuelline.server.windows.align import Signal, Validity, WindowSpec, resample, validity
@@ -126,11 +127,13 @@ class WindowSource(UnitSource):
         # windows are made; the user's stages and the cast run per batch.
         self.per_recording = Pipeline([Normalize(self.manifest.stats, in_place=True)] if normalize == "zscore" else [])
         self.pipeline = Pipeline([*stages, Cast()])
+        self.stage_names = [callable_name(s) for s in stages]  # as --stage names them, for the fingerprint
         self._base = self._base_columns()
         self._splits = {name: self._scan(name) for name in self.manifest.splits}
         if not self._splits:
             raise DataError(f"{self.store.where()}: the manifest lists no recordings")
         self._columns = self._probe_columns()
+        self._fingerprints = {name: self._fingerprint(name) for name in self._splits}
 
     # -- start-up --------------------------------------------------------------------------------
     def _base_columns(self) -> list[WindowColumn]:
@@ -277,7 +280,7 @@ class WindowSource(UnitSource):
             "emotions": list(self.manifest.emotions),
             "class_counts": self.windows_per_class(split),
             "dropped": self.dropped(split),
-            "skipped_recordings": [x for x in self.skipped if x["split"] == split],
+            **skipped_summary(self.skipped, split, "skipped_recordings"),
             "window": self.spec.length,
             "hop": self.spec.hop,
             "max_gap": self.spec.max_gap,
@@ -288,6 +291,31 @@ class WindowSource(UnitSource):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "storage": storage_info(self.store),
+        }
+
+    def fingerprint(self, split: str) -> dict[str, str]:
+        """What decides the sequence of a split (see ``fuelline.server.fingerprint``): the
+        manifest's content and format, the split's shards (relative names, sizes) and recordings,
+        the windowing, normalisation and stages, seed, batch size and shuffle."""
+        return dict(self._fingerprints[split])
+
+    def _fingerprint(self, split: str) -> dict[str, str]:
+        recordings = [rec for _, rec in self._splits[split].recordings]
+        shards = sorted({rec.modalities[m].file for rec in recordings for m in self.modalities})
+        return {
+            "kind": "multimodal-windows",
+            "split": split,
+            "format": self.manifest.format,
+            # The manifest as parsed, in a canonical form: how its file is laid out orders nothing.
+            "manifest": "#" + digest([self.manifest.to_json()]),
+            "shards": files_part([self.store.stat(f) for f in shards], mtimes=False),
+            "recordings": f"{len(recordings)} #{digest(rec.id for rec in recordings)}",
+            "window": repr(float(self.spec.length)),
+            "hop": repr(float(self.spec.hop)),
+            "max_gap": str(self.spec.max_gap),
+            "normalize": self.normalize,
+            "stages": text_part(",".join(self.stage_names)),
+            **unit_parts(self.batch_size, self.seed, self.shuffle, self.block_units),
         }
 
     def memory_per_client(self, split: str) -> int:
