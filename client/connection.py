@@ -16,7 +16,10 @@ libzmq's I/O thread receives meanwhile.
 The connection tracks the position after the last batch it received. After a silence of three
 server heartbeat intervals, a ``Bye`` or a server restart, it reconnects with backoff and asks for
 exactly that position, so nothing is lost or repeated. It gives up with ``ServerUnavailable``
-after ``timeout`` seconds without hearing from the server.
+after ``timeout`` seconds without hearing from the server. The position means the same batch
+only under the same sequence fingerprint (``Welcome.fingerprint``): the connection holds to the
+first one it hears (or the one ``hold_to`` gives it), and fails with ``FingerprintMismatch`` on a
+Welcome that differs, before any batch of that server is handed over.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from fuelline.protocol import (
     EndOfEpoch,
     Error,
     ErrorCode,
+    FingerprintMismatch,
     Heartbeat,
     Hello,
     Limits,
@@ -113,6 +117,8 @@ class Connection:
         self.welcome: Welcome | None = None
         self.reconnects = 0
         self.data_losses: list[str] = []  # what the server left out (--on-bad-shard skip), in its words
+        self.fingerprint: dict[str, str] | None = None  # the sequence this connection's positions belong to
+        self._fingerprint_at = ""  # where it came from, as an error names it
         self._template = hello
         self._hwm = hwm
         self._heartbeat = heartbeat
@@ -196,6 +202,18 @@ class Connection:
                     self._step(min(left, self._tick))
             finally:
                 self._in_take = False
+
+    def hold_to(self, fingerprint: dict[str, str], where: str) -> None:
+        """Accept from now on only servers of this sequence fingerprint (``where`` names its
+        origin in errors, e.g. "in the saved position").
+
+        Raises:
+            FingerprintMismatch: the server already heard from has another one (nothing changes).
+        """
+        with self._lock:
+            if self.welcome is not None and self.welcome.fingerprint != fingerprint:
+                raise FingerprintMismatch(fingerprint, self.welcome.fingerprint, where, f"at {self.endpoint}")
+            self.fingerprint, self._fingerprint_at = dict(fingerprint), where
 
     def wait_welcome(self, timeout: float) -> Welcome:
         deadline = time.monotonic() + timeout
@@ -413,6 +431,10 @@ class Connection:
         if isinstance(msg, Batch):
             if msg.stream != self._gen:
                 return  # from a session a later Hello replaced
+            if self._awaiting_welcome:
+                # Its Welcome, and so its fingerprint, is not checked yet: never hand it over.
+                self._fail(ProtocolError(f"{self.endpoint} sent batch {msg.epoch}:{msg.seq} before its Welcome"))
+                return
             if (msg.epoch, msg.seq) != self._pos:
                 self._fail(ProtocolError(f"{self.endpoint} sent batch {msg.epoch}:{msg.seq}, expected {self._pos[0]}:{self._pos[1]}"))
                 return
@@ -430,6 +452,14 @@ class Connection:
             self._history = ()  # later epochs start whole
         elif isinstance(msg, Welcome):
             if msg.stream == self._gen:
+                if self.fingerprint is None:
+                    if msg.fingerprint is not None:
+                        self.fingerprint = dict(msg.fingerprint)
+                        self._fingerprint_at = f"in what {self.endpoint} served before"
+                elif msg.fingerprint != self.fingerprint:
+                    self._fail(FingerprintMismatch(self.fingerprint, msg.fingerprint, self._fingerprint_at,
+                                                   f"at {self.endpoint} now"))
+                    return
                 self._connected = True
                 self._awaiting_welcome = False
                 self._bye_reason = ""

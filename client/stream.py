@@ -11,7 +11,7 @@ import zmq
 
 from fuelline.client.connection import Connection, Item
 from fuelline.client.curve import CurveKeys
-from fuelline.protocol import DEFAULT_LIMITS, DataError, Hello, Limits, ProtocolError, ReceiveTimeout
+from fuelline.protocol import DEFAULT_LIMITS, DataError, FingerprintMismatch, Hello, Limits, ProtocolError, ReceiveTimeout
 
 __all__ = ["ServerDataStream"]
 
@@ -75,6 +75,10 @@ class ServerDataStream:
         RemoteError: the server refused the request (unknown source or split, version, data
             error), or refused this client's CURVE key (code ``curve-refused``) or its lack of
             one (``curve-mismatch``).
+        FingerprintMismatch: a server (restarted, another of this reader's, or the one a saved
+            position is resumed on) serves another sequence than the batches read so far: other
+            files, seed, batch size, windows... (the message names the part). Raised before any
+            batch of that server is handed out.
         DataError: a CURVE key file is missing or unreadable (the message names it).
     """
 
@@ -157,6 +161,7 @@ class ServerDataStream:
         self._active: object | None = None  # token of an epoch iterator that delivered batches
         self._current: object | None = None  # token of the newest epoch iterator
         self._closed = False
+        self._saved_fingerprint: dict[str, str] | None = None  # of a loaded state, for connections to come
         if tensors:
             import torch  # noqa: F401  (fail now, not at the first batch, if it is missing)
 
@@ -218,7 +223,10 @@ class ServerDataStream:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The position: the next batch this reader has not yet handed out."""
+        """The position: the next batch this reader has not yet handed out, and the sequence
+        fingerprint of the batches read (None before any server was heard from)."""
+        held = [conn.fingerprint for conn in self._conns if conn.fingerprint is not None]
+        fingerprint = held[0] if held else self._saved_fingerprint
         return {
             "format": STATE_FORMAT,
             "epoch": self._epoch,
@@ -228,6 +236,7 @@ class ServerDataStream:
             "servers": len(self.endpoints),
             "split": self.split,
             "history": [list(h) for h in self._history],
+            "fingerprint": None if fingerprint is None else dict(fingerprint),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -237,7 +246,11 @@ class ServerDataStream:
         number of servers: ranks read in lockstep, so every rank's state holds the same position,
         and the rest of the interrupted epoch is shared out afresh among the new ranks, none lost
         or repeated. The servers must serve a unit-based source (Parquet or converted multimodal
-        data) for that.
+        data) for that. A position continues only on servers of the sequence fingerprint it was
+        saved with; a state without one (saved by an older client) is taken on trust.
+
+        Raises:
+            FingerprintMismatch: a server this stream already reads from serves another sequence.
         """
         if state.get("format") != STATE_FORMAT:
             raise ValueError(f"state format {state.get('format')!r} is not {STATE_FORMAT}")
@@ -256,6 +269,11 @@ class ServerDataStream:
             history, cursor = history + (segment,), 0
         elif state["rank"] != self.rank:
             raise ValueError(f"state was saved by rank {state['rank']}, this stream is rank {self.rank}")
+        fingerprint = _state_fingerprint(state)
+        if fingerprint is not None:
+            for conn in self._conns:
+                conn.hold_to(fingerprint, "in the saved position")
+            self._saved_fingerprint = fingerprint
         self._epoch, self._cursor, self._history, self._active = epoch, cursor, history, None
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -289,6 +307,9 @@ class ServerDataStream:
                 )
                 for endpoint, hello in zip(self.endpoints, self._hellos)
             ]
+            if self._saved_fingerprint is not None:
+                for conn in self._conns:
+                    conn.hold_to(self._saved_fingerprint, "in the saved position")
             for e, conn in enumerate(self._conns):
                 conn.start(self._stream, self._epoch, self._share(self._cursor, e), self._history)
             self._pos = (self._epoch, self._cursor, self._history)
@@ -312,22 +333,23 @@ class ServerDataStream:
         return welcomes[0]
 
     def _check_agreement(self, welcomes: list[Any]) -> None:
-        """Servers read together must serve the same data the same way, or the shares they
-        serve would not fit together: same sources, batch counts, order and dataset facts."""
+        """Servers read together must serve the same sequence, or the shares they serve would not
+        fit together: the same sequence fingerprint, and the same sources and schema for this
+        reader's request. Where the dataset lies, cache counters and other local facts in
+        ``info`` may differ: the same files on two mounts serve the same sequence."""
         first = welcomes[0]
-        keys = [k for k in first.info if k not in ("skipped_shards", "skipped_recordings")]
         for endpoint, w in zip(self.endpoints[1:], welcomes[1:]):
-            mine = {"sources": w.sources, "schema": w.schema, "batches_per_epoch": w.batches_per_epoch,
-                    **{k: w.info.get(k) for k in keys}}
-            theirs = {"sources": first.sources, "schema": first.schema, "batches_per_epoch": first.batches_per_epoch,
-                      **{k: first.info.get(k) for k in keys}}
-            for key in mine:
-                if mine[key] != theirs[key]:
-                    raise DataError(
-                        f"servers {self.endpoints[0]} and {endpoint} serve different data: {key} is "
-                        f"{theirs[key]!r:.200} there and {mine[key]!r:.200} here; start every server of a "
-                        "reader with the same dataset and options"
-                    )
+            context = f"servers {self.endpoints[0]} and {endpoint} serve different sequences: "
+            if w.fingerprint != first.fingerprint:
+                if first.fingerprint is None:
+                    raise FingerprintMismatch(w.fingerprint, None, f"at {endpoint}", f"at {self.endpoints[0]}", context)
+                raise FingerprintMismatch(first.fingerprint, w.fingerprint, f"at {self.endpoints[0]}",
+                                          f"at {endpoint}", context)
+            for key in ("sources", "schema", "batches_per_epoch"):
+                if getattr(w, key) != getattr(first, key):
+                    raise DataError(f"{context}{key} is {getattr(first, key)!r:.200} at {self.endpoints[0]} and "
+                                    f"{getattr(w, key)!r:.200} at {endpoint}; start every server of a reader with "
+                                    "the same dataset and options")
 
     def _next(self, conn: Connection) -> Item:
         started = time.monotonic()
@@ -386,3 +408,13 @@ class ServerDataStream:
             self._active = token
             conn.credit(item.stream)
             yield self._convert(item.arrays, as_dict)
+
+
+def _state_fingerprint(state: Mapping[str, Any]) -> dict[str, str] | None:
+    fingerprint = state.get("fingerprint")
+    if fingerprint is None:
+        return None
+    if not isinstance(fingerprint, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in fingerprint.items()):
+        raise ValueError(f"state has an invalid fingerprint {fingerprint!r:.200}; expected a map of strings")
+    return dict(fingerprint)
