@@ -204,7 +204,9 @@ class Session:
                     batches.close()
                 if not self._put(("end", encode(EndOfEpoch(h.stream, epoch, seq)))):
                     return
-                if seq == 0:
+                # A resume saved after an epoch's last batch, on another world size, leaves the
+                # epoch nothing: it ends at once, as it does at the same world size.
+                if seq == 0 and not (h.history and epoch == h.epoch):
                     raise DataError(f"epoch {epoch} of split {h.split!r} has no batches")
                 epoch, cursor = epoch + 1, 0
         except DataError as exc:
