@@ -1,30 +1,50 @@
 """Serve any Fuel-style stream: an object with ``.sources`` and ``.get_epoch_iterator()``.
 
-Each epoch of each client calls ``get_epoch_iterator()`` once and takes the batches of its rank
-round-robin (batch i goes to rank i mod world_size). So that every rank gets the same number of
-batches, the ranks short of one at the end are padded with the epoch's first batches, as
-DistributedSampler pads. A resumed client skips the batches before its cursor by iterating past
-them, so the order is as deterministic as the stream itself.
+The ranks of an epoch share one pass over the stream (``fuelline.server.fuel_epochs``): the server
+calls ``get_epoch_iterator()`` once per (split, epoch), so a stream that shuffles differently on
+every call still gives every rank, and every client that reconnects, its share of one order.
+Batch i of the pass goes to rank i mod world_size. So that every rank gets the same number of
+batches, a rank short of one at the end is padded with one of the epoch's first batches, as
+DistributedSampler pads; a rank needs at most one such batch, and takes it only then. A resumed
+client starts at its cursor in the same pass.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
 from fuelline.protocol import DataError
+from fuelline.protocol.messages import MAX_HISTORY_WORLD
+from fuelline.server.fuel_epochs import SharedEpochs
 
-__all__ = ["FuelStreamSource"]
+__all__ = ["FuelStreamSource", "MAX_WORLD", "DEFAULT_BUFFER_MB"]
 
 DEFAULT_SPLIT = "train"
+DEFAULT_BUFFER_MB = 256
+# Ranks a Fuel stream is served to at most: as many as a resume history may name. The padding of
+# a rank costs nothing more for a larger world, but a world of 2**40 is no job's; it is a mistake.
+MAX_WORLD = MAX_HISTORY_WORLD
+MAX_PART = 200  # characters of a fingerprint part kept
 
 
 class FuelStreamSource:
-    """Adapts Fuel-style streams (one, or a mapping of split name to stream)."""
+    """Adapts Fuel-style streams (one, or a mapping of split name to stream).
 
-    def __init__(self, data_stream: Any) -> None:
+    Args:
+        data_stream: a stream, or a mapping of split name to stream.
+        buffer_mb: the batches of an epoch's pass are held, by reference, up to this many MB
+            (all splits and epochs together), so that ranks that read the epoch at different
+            speeds, start late or reconnect get them from the one pass. A rank further behind
+            reads the stream again, checked batch by batch against the pass: fine for a
+            deterministic stream, refused (a DataError) for one that shuffles anew on every call.
+    """
+
+    def __init__(self, data_stream: Any, buffer_mb: int = DEFAULT_BUFFER_MB) -> None:
+        if not isinstance(buffer_mb, int) or buffer_mb < 0:
+            raise ValueError(f"buffer_mb must be a whole number of MB >= 0, got {buffer_mb!r}")
         streams = data_stream if isinstance(data_stream, Mapping) else {DEFAULT_SPLIT: data_stream}
         if not streams:
             raise DataError("start_server needs at least one data stream")
@@ -44,6 +64,7 @@ class FuelStreamSource:
         if not sources or not all(isinstance(s, str) and s for s in sources):
             raise DataError(f"data stream sources must be non-empty strings, got {sources!r}")
         self._sources: tuple[str, ...] = sources
+        self._epochs = SharedEpochs(self._open, self._as_arrays, self._locks, buffer_mb * 2**20)
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -66,20 +87,35 @@ class FuelStreamSource:
     def batches_per_epoch(self, split: str, rank: int, world_size: int) -> None:
         return None
 
-    def _epoch(self, split: str) -> Iterator[tuple]:
-        lock = self._locks[split]
-        with lock:
-            it = iter(self._streams[split].get_epoch_iterator())
-        while True:
-            # Streams are not required to be thread-safe; sessions take turns.
-            with lock:
-                try:
-                    batch = next(it)
-                except StopIteration:
-                    return
-            yield batch
+    def fingerprint(self, split: str) -> dict[str, str]:
+        """What identifies the stream without reading it: its type, sources and splits, and what
+        a Fuel ``DataStream`` says of its dataset and iteration scheme."""
+        stream = self._streams[split]
+        parts = {
+            "kind": "fuel-stream",
+            "split": split,
+            "stream": _type_name(stream),
+            "sources": ",".join(self._sources),
+            "splits": ",".join(self._streams),
+        }
+        dataset = getattr(stream, "dataset", None)
+        if dataset is not None:
+            parts["dataset"] = _type_name(dataset)
+            examples = getattr(dataset, "num_examples", None)
+            if isinstance(examples, int):
+                parts["examples"] = str(examples)
+        scheme = getattr(stream, "iteration_scheme", None)
+        if scheme is not None:
+            parts["scheme"] = _type_name(scheme)
+            batch_size = getattr(scheme, "batch_size", None)
+            if isinstance(batch_size, int):
+                parts["batch_size"] = str(batch_size)
+        return {k: v if len(v) <= MAX_PART else v[: MAX_PART - 1] + "…" for k, v in parts.items()}
 
-    def _as_arrays(self, batch: Any, index: int, sources: tuple[str, ...]) -> dict[str, np.ndarray]:
+    def _open(self, split: str) -> Iterator[Any]:
+        return iter(self._streams[split].get_epoch_iterator())
+
+    def _as_arrays(self, batch: Any, index: int) -> dict[str, np.ndarray]:
         if isinstance(batch, Mapping):
             values = [batch[name] for name in self._sources]
         else:
@@ -88,12 +124,11 @@ class FuelStreamSource:
             raise DataError(
                 f"batch {index} of the stream has {len(values)} values for {len(self._sources)} sources {self._sources}"
             )
-        by_name = dict(zip(self._sources, values))
-        return {name: np.asarray(by_name[name]) for name in sources}
+        return {name: np.asarray(v) for name, v in zip(self._sources, values)}
 
     def iter_batches(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
-        on_loss: object = None,
+        on_loss: Callable[[str], None] | None = None,
         history: object = (),
     ) -> Iterator[dict[str, np.ndarray]]:
         if history:
@@ -101,28 +136,36 @@ class FuelStreamSource:
                 "a Fuel-style stream cannot resume an epoch on another world size; "
                 "finish the epoch at the old world size, or serve a Parquet dataset"
             )
-        head: list[dict[str, np.ndarray]] = []  # the first world_size batches, kept for padding
-        mine = 0
-        total = 0
-        for total, batch in enumerate(self._epoch(split), start=1):
-            i = total - 1
-            arrays = None
-            if i < world_size:
-                arrays = {k: np.array(v) for k, v in self._as_arrays(batch, i, sources).items()}
-                head.append(arrays)
-            if i % world_size == rank:
-                if mine >= start:
-                    yield arrays if arrays is not None else self._as_arrays(batch, i, sources)
-                mine += 1
-        if total == 0:
-            return
-        per_rank = -(-total // world_size)
-        while mine < per_rank:
-            # Position mine of this rank is padded-sequence index rank + mine*world_size >= total.
-            pad = (rank + mine * world_size) % total
-            if mine >= start:
-                yield head[pad]
-            mine += 1
+        if world_size > MAX_WORLD:
+            raise DataError(f"world size {world_size} is more ranks than a Fuel stream is served to (at most {MAX_WORLD})")
+        shared = self._epochs
+        reader = shared.reader(split, epoch, rank, world_size, start)
+        try:
+            slot = start
+            while (batch := shared.get(reader, rank + slot * world_size)) is not None:
+                slot += 1
+                reader.slot = slot  # (before the yield: this reader is done with that batch)
+                yield {name: batch[name] for name in sources}
+            total = shared.total(reader)
+            per_rank = -(-total // world_size) if total else 0
+            # Past the end of the pass: the rank's last slot wraps to one of its first batches.
+            while slot < per_rank:
+                batch = shared.get(reader, (rank + slot * world_size) % total)
+                slot += 1
+                reader.slot = slot
+                yield {name: batch[name] for name in sources}
+        finally:
+            shared.release(reader)
+
+    @property
+    def buffer_stats(self) -> dict[str, int]:
+        """Bytes of batches held now and at most so far, and the budget."""
+        return {"held": self._epochs.held_bytes, "peak": self._epochs.peak_bytes, "budget": self._epochs.budget}
 
     def close(self) -> None:
-        pass
+        self._epochs.close()
+
+
+def _type_name(obj: Any) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"

@@ -109,3 +109,33 @@ def test_receive_timeout_tells_a_stuck_source_from_a_dead_server(start_script) -
             next(it)  # the server is alive (heartbeats) but its stream is stuck
         assert 1.0 <= time.monotonic() - started < 3.0
     assert f"127.0.0.1:{server.port}" in str(info.value)
+
+
+def test_a_fuel_stream_is_fingerprinted_without_being_read(start_script) -> None:
+    code = FUEL_SERVER.replace(
+        "    def get_epoch_iterator(self, **kwargs):\n",
+        "    calls = 0\n\n    def get_epoch_iterator(self, **kwargs):\n        Stream.calls += 1\n",
+    ).replace("np.full((4, 3), i, dtype=np.float32)", "np.full((4, 3), Stream.calls, dtype=np.float32)")
+    server = start_script(code.format(stream='{"train": Stream(3), "valid": Stream(2)}'))
+    with ServerDataStream(("features",), port=server.port, host="127.0.0.1", timeout=TIMEOUT) as s:
+        first = [int(b[0][0, 0]) for b in s.get_epoch_iterator()]
+        fingerprint = s.state_dict()["fingerprint"]
+    assert first == [1, 1, 1]  # the Welcome's fingerprint and schema called nothing of the stream
+    assert fingerprint == {
+        "kind": "fuel-stream", "split": "train", "stream": "__main__.Stream", "sources": "features,targets",
+        "splits": "train,valid",
+    }
+
+
+def test_ranks_of_a_fuel_stream_share_one_call_per_epoch(start_script) -> None:
+    code = FUEL_SERVER.replace(
+        "    def get_epoch_iterator(self, **kwargs):\n",
+        "    calls = 0\n\n    def get_epoch_iterator(self, **kwargs):\n        Stream.calls += 1\n",
+    ).replace("np.full((4, 3), i, dtype=np.float32)", "np.full((4, 3), Stream.calls, dtype=np.float32)")
+    server = start_script(code.format(stream="Stream(6)"))
+    calls = {}
+    for rank in range(3):
+        with ServerDataStream(("features",), port=server.port, host="127.0.0.1", rank=rank, world_size=3,
+                              timeout=TIMEOUT) as s:
+            calls[rank] = [[int(b[0][0, 0]) for b in s.get_epoch_iterator()] for _ in range(2)]
+    assert calls == {rank: [[1, 1], [2, 2]] for rank in range(3)}  # one call per epoch, whoever reads
