@@ -1,47 +1,68 @@
 """Decoded arrays from a worker process to the serving process through a shared-memory file.
 
 A worker writes a unit's arrays one after another (each aligned to ``ALIGN`` bytes) into one file
-in /dev/shm (a RAM-backed filesystem; the temporary directory where there is none) and sends only
-their names, dtypes, shapes and offsets. The serving process maps the file read-only, unlinks it
-at once and wraps the mapping in numpy arrays without copying: the memory lives exactly as long as
-those arrays, and the arrays cannot be written to (block tables are sent zero-copy, so nothing may
-change them).
+in /dev/shm (a RAM-backed filesystem; the temporary directory where there is none; or
+``$FUELLINE_HANDOFF_DIR``) and sends only their names, dtypes, shapes and offsets. The serving
+process maps the file read-only, unlinks it at once and wraps the mapping in numpy arrays without
+copying: the memory lives exactly as long as those arrays, and the arrays cannot be written to
+(block tables are sent zero-copy, so nothing may change them). Where a file cannot be written (a
+full /dev/shm, any OSError), the worker sends the arrays through its pipe instead: slower, never
+a failure.
+
+Names. Every worker pool has a folder of its own, ``PREFIX<serving pid>-<random>``, its
+*incarnation*, holding ``lock`` and one file per task. The random part keeps a restarted server
+that gets the same pid (a container's pid 1 after kill -9) clear of a dead run's files; the lock,
+an flock held by the pool while it lives, tells a live incarnation from a dead one whatever its
+pid says, so a dead one's files are swept even when its pid is alive again.
 
 Who removes a file:
   * the serving process, right after mapping it (normal case);
   * the worker, for the file of its previous task, when its next message or EOF arrives (that file
     was either consumed already or will never be: the serving process is closing or gone);
-  * the serving process, for the task a worker was running when it died, and for every file of
-    its pool when it closes (``sweep``);
-  * any later pool's start, for the files of processes that no longer exist (both the serving
-    process and its worker killed -9 between a write and the unlink: the one window left).
+  * the serving process, for the task a worker was running when it died, and for its pool's
+    whole folder when the pool closes;
+  * any later pool's start (``sweep_dead``), for the folders whose lock nobody holds (both the
+    serving process and its worker killed -9 between a write and the unlink: the one window left),
+    and for files named as older versions named them, of processes that no longer exist.
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import mmap
 import os
 import re
+import shutil
 import tempfile
+import time
 from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["ALIGN", "PREFIX", "Layout", "shm_dir", "shm_size", "write_arrays", "map_arrays", "unlink", "sweep_dead"]
+__all__ = [
+    "ALIGN", "PREFIX", "ENV_DIR", "Layout", "Incarnation", "shm_dir", "shm_size", "write_arrays", "map_arrays",
+    "unlink", "sweep_dead",
+]
 
 ALIGN = 64  # bytes: a cache line, and more than any dtype's alignment
-PREFIX = "fuelline-handoff-"  # files are PREFIX + "<serving pid>-<pool>-<task>"
+PREFIX = "fuelline-handoff-"  # an incarnation's folder is PREFIX + "<serving pid>-<random>"
+ENV_DIR = "FUELLINE_HANDOFF_DIR"  # where hand-off files go, in place of /dev/shm
+LOCK = "lock"
+UNLOCKED_AGE = 60.0  # seconds after which a folder that never got its lock is a creator's remains
 
-_NAME = re.compile(re.escape(PREFIX) + r"(\d+)-(\d+)-(\d+)")
+_LEGACY = re.compile(re.escape(PREFIX) + r"(\d+)-(\d+)-(\d+)")  # one file per task, no folder
 
 # Per array: (name, numpy dtype string, shape, offset in the file).
 Layout = list[tuple[str, str, tuple[int, ...], int]]
 
 
 def shm_dir() -> str:
-    """/dev/shm where it exists and is writable, else the temporary directory (on disk, but
-    short-lived files mostly stay in the page cache)."""
+    """``$FUELLINE_HANDOFF_DIR`` if set; else /dev/shm where it exists and is writable; else the
+    temporary directory (on disk, but short-lived files mostly stay in the page cache)."""
+    configured = os.environ.get(ENV_DIR)
+    if configured:
+        return configured
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
         return "/dev/shm"
     return tempfile.gettempdir()
@@ -49,8 +70,8 @@ def shm_dir() -> str:
 
 def shm_size() -> int | None:
     """Bytes of the filesystem hand-off files live in, when it is RAM (/dev/shm: a container's
-    is often 64 MB); None for the temporary directory on disk. A mapped file keeps its space
-    until its arrays are gone, unlinked or not."""
+    is often 64 MB); None for a directory on disk. A mapped file keeps its space until its arrays
+    are gone, unlinked or not."""
     directory = shm_dir()
     if directory != "/dev/shm":
         return None
@@ -61,10 +82,52 @@ def shm_size() -> int | None:
     return st.f_blocks * st.f_frsize
 
 
+class Incarnation:
+    """A worker pool's folder of hand-off files, locked while the pool lives.
+
+    Raises:
+        OSError: the folder or its lock cannot be made (the pool then hands arrays over through
+            its pipes).
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=directory)
+        try:
+            # Locked under another name, then renamed: a sweep only judges a folder by its lock
+            # once it has one, and by then it is held.
+            pending = os.path.join(self.path, LOCK + ".new")
+            self._fd: int | None = os.open(pending, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(pending, os.path.join(self.path, LOCK))
+        except BaseException:
+            self.remove()
+            raise
+
+    def task_path(self, task_id: int) -> str:
+        return os.path.join(self.path, str(task_id))
+
+    def clear(self) -> None:
+        """Remove every task file (the folder and its lock stay)."""
+        try:
+            names = os.listdir(self.path)
+        except OSError:
+            return
+        for name in names:
+            if name != LOCK:
+                unlink(os.path.join(self.path, name))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._fd is not None:
+            os.close(self._fd)  # (after the folder is gone: a sweep never finds it unlocked)
+            self._fd = None
+
+
 def write_arrays(path: str, arrays: Mapping[str, Any]) -> tuple[Layout, int]:
     """Write ``arrays`` into a new file at ``path``; returns the layout and the file's size. Writes
     nothing when every array is empty (size 0). The space is reserved up front, so a full /dev/shm
-    is an OSError here rather than a SIGBUS on a write through the mapping."""
+    is an OSError here rather than a SIGBUS on a write through the mapping; after any OSError, no
+    file this call made is left."""
     layout: Layout = []
     parts = []
     size = 0
@@ -138,15 +201,48 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _held(folder: str) -> bool:
+    """Whether a live pool holds this incarnation's lock (a folder still being made counts)."""
+    try:
+        fd = os.open(os.path.join(folder, LOCK), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        try:
+            return time.time() - os.stat(folder).st_mtime < UNLOCKED_AGE
+        except OSError:
+            return False
+    except OSError:
+        return True  # unreadable: not ours to judge
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True  # held (EWOULDBLOCK), or not ours to judge
+    finally:
+        os.close(fd)  # (drops the lock this probe may have taken)
+    return False
+
+
 def sweep_dead(directory: str) -> int:
-    """Remove hand-off files left by serving processes that no longer exist; returns how many."""
+    """Remove the hand-off folders whose pool is gone, whatever their pid, and files of the older
+    one-file-per-task naming whose process is gone (or is this one, which never writes them);
+    returns how many files went."""
     removed = 0
-    for path in glob.glob(os.path.join(directory, PREFIX + "*-*-*")):
-        match = _NAME.fullmatch(os.path.basename(path))
-        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
-            try:
-                os.unlink(path)
-                removed += 1
-            except OSError:
-                pass
+    for path in glob.glob(os.path.join(glob.escape(directory), PREFIX + "*")):
+        name = os.path.basename(path)
+        legacy = _LEGACY.fullmatch(name)
+        if legacy:
+            pid = int(legacy.group(1))
+            if pid == os.getpid() or not _alive(pid):
+                try:
+                    os.unlink(path)
+                    removed += 1
+                except OSError:
+                    pass
+            continue
+        if not os.path.isdir(path) or os.path.islink(path) or _held(path):
+            continue
+        try:
+            removed += sum(1 for n in os.listdir(path) if n != LOCK)
+        except OSError:
+            pass
+        shutil.rmtree(path, ignore_errors=True)
     return removed

@@ -11,7 +11,9 @@ How:
     here: it only ever crosses from this process to its own children and back, never a network.
   * A task is one unit: ``source.decode_unit(split, u, columns)``. The arrays come back through a
     shared-memory file (``fuelline.server.handoff``), the pipe carries only their layout, the
-    worker's counter increments and, for a failure, the exception's message and traceback.
+    worker's counter increments and, for a failure, the exception's message and traceback. Where
+    no such file can be written (a full /dev/shm), the arrays come through the pipe (logged once).
+    The worker's side is ``fuelline.server.worker_process``.
   * One dispatcher thread owns the pipes: it hands queued tasks to idle workers and waits on every
     worker's pipe and process sentinel at once, so a worker that dies (signal, segfault,
     ``os._exit``, the OOM killer) is noticed at once, never waited on silently. The dispatcher logs
@@ -30,18 +32,15 @@ How:
 from __future__ import annotations
 
 import atexit
-import faulthandler
 import itertools
 import logging
 import multiprocessing
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
-import traceback
-from collections import Counter, deque
+from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -49,12 +48,11 @@ from typing import Any, Sequence
 
 from fuelline.protocol import DataError, FuellineError
 from fuelline.server import handoff
+from fuelline.server.worker_process import worker_main
 
 __all__ = ["WorkerPool", "WorkerError", "WorkerPoolBroken"]
 
 log = logging.getLogger("fuelline.server")
-
-_POOLS = itertools.count()  # distinguishes the hand-off files of pools in one process
 
 
 class WorkerError(FuellineError):
@@ -80,7 +78,7 @@ class _Task:
     unit: int
     columns: Sequence[Any]
     future: Future
-    path: str  # where the worker writes the arrays
+    path: str | None  # where the worker writes the arrays; None: through the pipe
     deaths: int = 0  # workers that died running it
     started: bool = False  # the future is running (set once, before the first hand-out)
 
@@ -126,6 +124,8 @@ class WorkerPool:
             that never returns) prints every thread's traceback and exits, and is handled as a
             worker that died: replaced, the unit retried once. None: no limit.
         context: multiprocessing start method, "spawn" or "forkserver" (never "fork").
+        handoff_dir: where the hand-off files go; default ``handoff.shm_dir()`` (/dev/shm, or
+            ``$FUELLINE_HANDOFF_DIR``).
     """
 
     POLL = 1.0  # seconds: the dispatcher's longest wait (wake-ups come through a pipe)
@@ -133,7 +133,7 @@ class WorkerPool:
 
     def __init__(
         self, source: Any, workers: int, *, max_restarts: int | None = None, restart_window: float = 60.0,
-        context: str = "spawn", task_timeout: float | None = None,
+        context: str = "spawn", task_timeout: float | None = None, handoff_dir: str | None = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -148,8 +148,9 @@ class WorkerPool:
         self.restart_window = restart_window
         self._ctx = multiprocessing.get_context(context)
         self._payload = pickle.dumps(source, protocol=pickle.HIGHEST_PROTOCOL)
-        self._dir = handoff.shm_dir()
-        self._prefix = f"{handoff.PREFIX}{os.getpid()}-{next(_POOLS)}-"
+        self._dir = handoff_dir or handoff.shm_dir()
+        self._incarnation: handoff.Incarnation | None = None
+        self._piped = False  # arrays came through a pipe (logged once)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._queue: deque[_Task] = deque()
@@ -169,6 +170,15 @@ class WorkerPool:
         swept = handoff.sweep_dead(self._dir)
         if swept:
             log.warning("removed %d hand-off files in %s left by server processes that were killed", swept, self._dir)
+        try:
+            self._incarnation = handoff.Incarnation(self._dir)
+        except OSError as exc:
+            self._piped = True
+            log.warning(
+                "cannot make a hand-off folder in %s (%s%s): decoded units come through the worker "
+                "processes' pipes instead, which is slower", self._dir, exc,
+                f"; set by {handoff.ENV_DIR}" if os.environ.get(handoff.ENV_DIR) == self._dir else "",
+            )
         self._workers = [self._spawn(i) for i in range(self.n)]
         log.info(
             "started %d worker process%s to load and preprocess units (pids %s); hand-off through %s",
@@ -191,6 +201,8 @@ class WorkerPool:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(self.STOP_TIMEOUT)
         self._stop_workers(WorkerError("the worker pool was closed"))
+        if self._incarnation is not None:
+            self._incarnation.remove()
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)
@@ -212,7 +224,8 @@ class WorkerPool:
         arrays (or the worker's DataError, or WorkerError)."""
         future: Future = Future()
         task_id = next(self._ids)
-        task = _Task(task_id, split, int(u), list(columns), future, os.path.join(self._dir, f"{self._prefix}{task_id}"))
+        where = self._incarnation
+        task = _Task(task_id, split, int(u), list(columns), future, where.task_path(task_id) if where else None)
         with self._lock:
             if self._broken is not None:
                 future.set_exception(WorkerPoolBroken(self._broken))
@@ -328,6 +341,19 @@ class WorkerPool:
             else:
                 _resolve(task.future, arrays)
             return
+        if kind == "inline":
+            _, _, arrays, why, _ = message
+            if not self._piped:
+                self._piped = True
+                log.warning(
+                    "%s: no room for hand-off files (%s); decoded units come through the worker processes' "
+                    "pipes instead, which is slower: give %s more room (docker --shm-size, a memory-backed "
+                    "emptyDir) or set %s", w.name, why, self._dir, handoff.ENV_DIR,
+                )
+            for a in arrays.values():
+                a.setflags(write=False)  # (as mapped ones are: block tables go out zero-copy)
+            _resolve(task.future, arrays)
+            return
         _, _, data_error, text, type_name, tb, _ = message
         if data_error:
             _fail(task.future, DataError(text))
@@ -410,7 +436,7 @@ class WorkerPool:
         parent_end, child_end = self._ctx.Pipe(duplex=True)
         level = logging.getLogger().getEffectiveLevel()
         process = self._ctx.Process(
-            target=_worker_main, args=(index, self._payload, child_end, os.getpid(), level, self.task_timeout),
+            target=worker_main, args=(index, self._payload, child_end, os.getpid(), level, self.task_timeout),
             name=f"fuelline-worker-{index}", daemon=True,
         )
         process.start()
@@ -452,15 +478,8 @@ class WorkerPool:
             queued, self._queue = list(self._queue), deque()
         for task in queued:
             _fail(task.future, error)
-        for path in _glob_prefix(self._dir, self._prefix):
-            handoff.unlink(path)
-
-
-def _glob_prefix(directory: str, prefix: str) -> list[str]:
-    try:
-        return [os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(prefix)]
-    except OSError:
-        return []
+        if self._incarnation is not None:
+            self._incarnation.clear()
 
 
 def _resolve(future: Future, value: Any) -> None:
@@ -475,70 +494,3 @@ def _fail(future: Future, error: BaseException) -> None:
         future.set_exception(error)
     except InvalidStateError:
         pass  # cancelled, or already decided
-
-
-# -- the worker process ----------------------------------------------------------------------------
-def _watch_parent(parent_pid: int, paths: list) -> None:
-    """Exit when the serving process is gone, even in the middle of a long task; remove the
-    hand-off files nobody will read."""
-    while True:
-        time.sleep(1.0)
-        if os.getppid() != parent_pid:
-            for path in paths:
-                handoff.unlink(path)
-            os._exit(0)
-
-
-def _worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, log_level: int,
-                 task_timeout: float | None = None) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    logging.basicConfig(
-        level=log_level, stream=sys.stderr,
-        format=f"%(asctime)s %(name)s[worker {index}] %(levelname)s %(message)s",
-    )
-    try:
-        source = pickle.loads(payload)
-    except BaseException:
-        conn.send(("setup_failed", traceback.format_exc()))
-        return
-    # paths[0]: the file of the task being written; paths[1]: the last one handed over.
-    paths: list = [None, None]
-    threading.Thread(target=_watch_parent, args=(parent_pid, paths), name="parent-watch", daemon=True).start()
-    seen = Counter(source.counters)
-    conn.send(("ready",))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            message = None
-        handoff.unlink(paths[1])  # consumed by now, or never will be
-        paths[1] = None
-        if message is None:
-            return
-        task_id, split, u, columns, path = message
-        paths[0] = path
-        if task_timeout is not None:
-            # The watchdog: past the limit, every thread's traceback goes to stderr and the
-            # process exits (code 1); the pool sees a death and names the unit.
-            faulthandler.dump_traceback_later(task_timeout, exit=True, file=sys.stderr)
-        try:
-            arrays = source.decode_unit(split, u, columns)
-            layout, size = handoff.write_arrays(path, arrays)
-            reply: tuple = ("done", task_id, size > 0, layout)
-            paths[1] = path if size else None
-        except Exception as exc:
-            handoff.unlink(path)
-            reply = ("failed", task_id, isinstance(exc, DataError), str(exc), type(exc).__name__, traceback.format_exc())
-        finally:
-            if task_timeout is not None:
-                faulthandler.cancel_dump_traceback_later()
-        paths[0] = None
-        now = source.counters.snapshot()
-        counts = {k: v - seen[k] for k, v in now.items() if v != seen[k]}
-        seen = Counter(now)
-        try:
-            conn.send((*reply, counts))
-        except (OSError, EOFError):
-            handoff.unlink(paths[1])
-            return

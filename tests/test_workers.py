@@ -64,10 +64,21 @@ def start_pool(pools: list, source, workers: int, **options) -> WorkerPool:
     return pool
 
 
-def handoff_files(pid: int) -> list[str]:
-    """Hand-off files of the serving process ``pid`` (in /dev/shm, or the fallback directory)."""
-    directory = handoff.shm_dir()
-    return sorted(n for n in os.listdir(directory) if n.startswith(f"{handoff.PREFIX}{pid}-"))
+def handoff_folders(pid: int, directory: str | None = None) -> list[str]:
+    """Hand-off folders of the serving process ``pid``'s pools (in /dev/shm, or the fallback)."""
+    directory = directory or handoff.shm_dir()
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory) if n.startswith(f"{handoff.PREFIX}{pid}-"))
+
+
+def handoff_files(pid: int, directory: str | None = None) -> list[str]:
+    """Hand-off files of the serving process ``pid``: its pools' task files, not their locks."""
+    files = []
+    for folder in handoff_folders(pid, directory):
+        try:
+            files += [os.path.join(folder, n) for n in os.listdir(folder) if n != handoff.LOCK]
+        except OSError:
+            continue  # (removed meanwhile)
+    return sorted(files)
 
 
 def _stat(pid: int) -> tuple[str, int] | None:
@@ -273,16 +284,22 @@ def test_hand_off_files_of_dead_servers_are_swept_at_start(pools: list) -> None:
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, timeout=TIMEOUT, check=True)
     dead = int(gone.stdout)
+    # Named as older versions named them: one of a dead process, one of this process (which never
+    # writes such names any more, so it is a dead run's that had this pid).
     stale = Path(handoff.shm_dir()) / f"{handoff.PREFIX}{dead}-0-7"
     stale.write_bytes(b"left by a server killed mid hand-off")
-    mine = Path(handoff.shm_dir()) / f"{handoff.PREFIX}{os.getpid()}-999-0"
-    mine.write_bytes(b"")  # a live process's file is left alone
+    reused = Path(handoff.shm_dir()) / f"{handoff.PREFIX}{os.getpid()}-999-0"
+    reused.write_bytes(b"left by a server that had this pid")
+    live = handoff.Incarnation(handoff.shm_dir())  # another pool of this process, alive
+    Path(live.task_path(0)).write_bytes(b"being handed over")
     try:
         start_pool(pools, FakeUnits(units=1), 1)
-        assert not stale.exists() and mine.exists()
+        assert not stale.exists() and not reused.exists()
+        assert Path(live.task_path(0)).exists()
     finally:
+        live.remove()
         stale.unlink(missing_ok=True)
-        mine.unlink(missing_ok=True)
+        reused.unlink(missing_ok=True)
 
 
 def test_closing_a_pool_fails_what_waits_and_leaves_nothing_behind(pools: list) -> None:
@@ -297,7 +314,7 @@ def test_closing_a_pool_fails_what_waits_and_leaves_nothing_behind(pools: list) 
         error = future.exception(TIMEOUT)  # done either way, none left waiting
         assert error is None or isinstance(error, WorkerError)
     assert not any(alive(pid) for pid in pids)
-    assert not handoff_files(os.getpid())
+    assert not handoff_folders(os.getpid())
     assert isinstance(pool.submit("train", 1, columns).exception(TIMEOUT), WorkerError)
 
 
@@ -448,7 +465,7 @@ def test_sigterm_stops_the_workers_and_leaves_no_shared_memory(parquet_dataset: 
     wait_until(lambda: not handoff_files(server.proc.pid), TIMEOUT, "hand-off files unlinked once mapped")
     assert server.terminate() == 0
     wait_until(lambda: not any(alive(pid) for pid in pids), TIMEOUT, "workers exit with their server")
-    assert not handoff_files(server.proc.pid)
+    assert not handoff_folders(server.proc.pid)
 
 
 def test_workers_of_a_killed_server_exit(parquet_dataset: Path, start_serve) -> None:
@@ -459,3 +476,7 @@ def test_workers_of_a_killed_server_exit(parquet_dataset: Path, start_serve) -> 
     assert len(pids) == 2
     server.kill()
     wait_until(lambda: not any(alive(pid) for pid in pids), TIMEOUT, "workers exit when their server is killed")
+    # What it leaves, its pool's folder, goes at the next sweep: its lock died with it.
+    assert handoff_folders(server.proc.pid)
+    handoff.sweep_dead(handoff.shm_dir())
+    assert not handoff_folders(server.proc.pid)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import resource
+import signal
 import time
 from dataclasses import dataclass
 
@@ -99,3 +101,20 @@ class UncopyableUnits(FakeUnits):
         if os.getpid() != state["home"]:
             raise RuntimeError("the dataset is not reachable from here")
         super().__setstate__(state)
+
+
+class FileSizeLimitedUnits(FakeUnits):
+    """In a worker process, a file may grow to ``limit`` bytes only (RLIMIT_FSIZE, set as the
+    worker unpickles its copy): a larger hand-off file fails there with EFBIG, for real, as a full
+    /dev/shm fails with ENOSPC."""
+
+    def __init__(self, limit: int, **options) -> None:
+        super().__init__(**options)
+        self.limit = limit
+        self.home = os.getpid()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if os.getpid() != state["home"]:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (its default ends the process)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))

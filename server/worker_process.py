@@ -1,0 +1,111 @@
+"""The body of a worker process of ``fuelline.server.workers.WorkerPool``.
+
+A worker unpickles its copy of the source, says it is ready, then answers one task at a time:
+``(task id, split, unit, columns, path)``. It decodes the unit and writes the arrays to ``path``
+(``fuelline.server.handoff``), answering ``("done", task id, written, layout, counts)``. When the
+file cannot be written (no hand-off folder: ``path`` None; a full /dev/shm; any OSError), the
+arrays themselves go through the pipe: ``("inline", task id, arrays, why, counts)``; a server
+short of shared memory is slower, never failing. A failure is ``("failed", task id, is a
+DataError, message, type name, traceback, counts)``. ``counts`` are the source counters' increments
+since the last answer.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import Counter
+from multiprocessing.connection import Connection
+
+from fuelline.protocol import DataError
+from fuelline.server import handoff
+
+__all__ = ["worker_main"]
+
+
+def _watch_parent(parent_pid: int, paths: list) -> None:
+    """Exit when the serving process is gone, even in the middle of a long task; remove the
+    hand-off files nobody will read."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            for path in paths:
+                handoff.unlink(path)
+            os._exit(0)
+
+
+def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, log_level: int,
+                task_timeout: float | None = None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    logging.basicConfig(
+        level=log_level, stream=sys.stderr,
+        format=f"%(asctime)s %(name)s[worker {index}] %(levelname)s %(message)s",
+    )
+    try:
+        source = pickle.loads(payload)
+    except BaseException:
+        conn.send(("setup_failed", traceback.format_exc()))
+        return
+    # paths[0]: the file of the task being written; paths[1]: the last one handed over.
+    paths: list = [None, None]
+    threading.Thread(target=_watch_parent, args=(parent_pid, paths), name="parent-watch", daemon=True).start()
+    seen = Counter(source.counters)
+    conn.send(("ready",))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            message = None
+        handoff.unlink(paths[1])  # consumed by now, or never will be
+        paths[1] = None
+        if message is None:
+            return
+        task_id, split, u, columns, path = message
+        paths[0] = path
+        if task_timeout is not None:
+            # The watchdog: past the limit, every thread's traceback goes to stderr and the
+            # process exits (code 1); the pool sees a death and names the unit.
+            faulthandler.dump_traceback_later(task_timeout, exit=True, file=sys.stderr)
+        try:
+            arrays = source.decode_unit(split, u, columns)
+            reply = _hand_over(task_id, path, arrays)
+            paths[1] = path if reply[0] == "done" and reply[2] else None
+        except Exception as exc:
+            handoff.unlink(path)
+            reply = ("failed", task_id, isinstance(exc, DataError), str(exc), type(exc).__name__, traceback.format_exc())
+        finally:
+            if task_timeout is not None:
+                faulthandler.cancel_dump_traceback_later()
+        paths[0] = None
+        now = source.counters.snapshot()
+        counts = {k: v - seen[k] for k, v in now.items() if v != seen[k]}
+        seen = Counter(now)
+        try:
+            conn.send((*reply, counts))
+        except (OSError, EOFError):
+            handoff.unlink(paths[1])
+            return
+
+
+def _hand_over(task_id: int, path: str | None, arrays: dict) -> tuple:
+    """The answer for decoded ``arrays``: written to ``path``, or, if that fails, the arrays."""
+    if path is None:
+        why = "no hand-off folder"
+    else:
+        try:
+            layout, size = handoff.write_arrays(path, arrays)
+            return ("done", task_id, size > 0, layout)
+        except OSError as exc:
+            why = f"writing {path}: {exc}"
+    for name, a in arrays.items():  # (the pipe pickles: refuse what the file would have refused)
+        if getattr(a, "dtype", None) is not None and a.dtype.hasobject:
+            raise TypeError(f"array {name!r} has dtype {a.dtype}, which holds Python objects")
+    return ("inline", task_id, arrays, why)
