@@ -91,12 +91,13 @@ class Incarnation:
     """
 
     def __init__(self, directory: str) -> None:
+        self._fd: int | None = None
         self.path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=directory)
         try:
             # Locked under another name, then renamed: a sweep only judges a folder by its lock
             # once it has one, and by then it is held.
             pending = os.path.join(self.path, LOCK + ".new")
-            self._fd: int | None = os.open(pending, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+            self._fd = os.open(pending, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.rename(pending, os.path.join(self.path, LOCK))
         except BaseException:
