@@ -21,9 +21,11 @@ Who removes a file:
     was either consumed already or will never be: the serving process is closing or gone);
   * the serving process, for the task a worker was running when it died, and for its pool's
     whole folder when the pool closes;
-  * any later pool's start (``sweep_dead``), for the folders whose lock nobody holds (both the
-    serving process and its worker killed -9 between a write and the unlink: the one window left),
-    and for files named as older versions named them, of processes that no longer exist.
+  * the workers of a serving process killed -9, for its folder, as they exit (they notice within
+    a second);
+  * any later pool's start (``sweep_dead``), for the folders whose lock nobody holds (the serving
+    process and its workers all killed at once), and for files named as older versions named
+    them, of processes that no longer exist.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import numpy as np
 
 __all__ = [
     "ALIGN", "PREFIX", "ENV_DIR", "Layout", "Incarnation", "shm_dir", "shm_size", "write_arrays", "map_arrays",
-    "unlink", "sweep_dead",
+    "unlink", "sweep_dead", "remove_if_dead",
 ]
 
 ALIGN = 64  # bytes: a cache line, and more than any dtype's alignment
@@ -239,11 +241,18 @@ def sweep_dead(directory: str) -> int:
                 except OSError:
                     pass
             continue
-        if not os.path.isdir(path) or os.path.islink(path) or _held(path):
-            continue
-        try:
-            removed += sum(1 for n in os.listdir(path) if n != LOCK)
-        except OSError:
-            pass
-        shutil.rmtree(path, ignore_errors=True)
+        removed += remove_if_dead(path)
     return removed
+
+
+def remove_if_dead(folder: str) -> int:
+    """Remove an incarnation's folder if no live pool holds its lock; returns the task files it
+    held."""
+    if not os.path.isdir(folder) or os.path.islink(folder) or _held(folder):
+        return 0
+    try:
+        files = sum(1 for n in os.listdir(folder) if n != LOCK)
+    except OSError:
+        files = 0
+    shutil.rmtree(folder, ignore_errors=True)
+    return files

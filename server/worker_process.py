@@ -30,19 +30,21 @@ from fuelline.server import handoff
 __all__ = ["worker_main"]
 
 
-def _watch_parent(parent_pid: int, paths: list) -> None:
+def _watch_parent(parent_pid: int, paths: list, folder: str | None) -> None:
     """Exit when the serving process is gone, even in the middle of a long task; remove the
-    hand-off files nobody will read."""
+    hand-off files nobody will read, and the pool's folder once its lock died with the server."""
     while True:
         time.sleep(1.0)
         if os.getppid() != parent_pid:
             for path in paths:
                 handoff.unlink(path)
+            if folder is not None:
+                handoff.remove_if_dead(folder)
             os._exit(0)
 
 
 def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, log_level: int,
-                task_timeout: float | None = None) -> None:
+                task_timeout: float | None = None, folder: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
     faulthandler.enable(file=sys.stderr, all_threads=True)
     logging.basicConfig(
@@ -56,7 +58,7 @@ def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, l
         return
     # paths[0]: the file of the task being written; paths[1]: the last one handed over.
     paths: list = [None, None]
-    threading.Thread(target=_watch_parent, args=(parent_pid, paths), name="parent-watch", daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent_pid, paths, folder), name="parent-watch", daemon=True).start()
     seen = Counter(source.counters)
     conn.send(("ready",))
     while True:

@@ -436,7 +436,9 @@ class WorkerPool:
         parent_end, child_end = self._ctx.Pipe(duplex=True)
         level = logging.getLogger().getEffectiveLevel()
         process = self._ctx.Process(
-            target=worker_main, args=(index, self._payload, child_end, os.getpid(), level, self.task_timeout),
+            target=worker_main,
+            args=(index, self._payload, child_end, os.getpid(), level, self.task_timeout,
+                  self._incarnation.path if self._incarnation is not None else None),
             name=f"fuelline-worker-{index}", daemon=True,
         )
         process.start()
