@@ -270,8 +270,9 @@ class Run:
         self.out = Outcome(schedule)
         self.t0 = time.monotonic()
         self.deadline = self.t0 + deadline
-        self.cond = threading.Condition()  # progress and readers_done
-        self.progress = 0
+        self.cond = threading.Condition()  # progress, started, readers_done
+        self.progress = 0  # batches delivered to every reader of every job
+        self.started = 0  # faults started
         self.readers_done = False
         self.abort = threading.Event()
         self.got: dict[tuple[int, int, int], list[np.ndarray]] = {}  # (job, rank, epoch): batches of ids
@@ -288,6 +289,15 @@ class Run:
 
     def _left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
+
+    def _on_schedule(self) -> bool:
+        faults = self.s.faults
+        return self.abort.is_set() or self.started == len(faults) or self.progress < faults[self.started].at
+
+    def _stop(self) -> None:
+        with self.cond:
+            self.abort.set()
+            self.cond.notify_all()
 
     def _start(self, args: list[str]) -> ServerProcess:
         server = ServerProcess(args, self.dir / f"server-{len(self.servers)}.log")
@@ -323,6 +333,10 @@ class Run:
                         with self.cond:
                             self.progress += 1
                             self.cond.notify_all()
+                            # A reader ahead of the schedule waits until the fault now due is under way
+                            # (the one before it may still last): each fault meets the progress it was
+                            # drawn for, not whatever the readers reached meanwhile.
+                            self.cond.wait_for(self._on_schedule, self._left())
                         self.abort.wait(o.pace)  # the training step this reader stands for
                         if stop and not stop.after_end and (epoch, s.state_dict()["cursor"]) == (stop.epoch, stop.cursor):
                             break
@@ -357,6 +371,8 @@ class Run:
         for fault in self.s.faults:
             with self.cond:
                 due = self.cond.wait_for(lambda: self.progress >= fault.at or self.readers_done, self._left())
+                self.started += 1  # readers go on meanwhile: the fault meets them mid-stream
+                self.cond.notify_all()
             if not due or self.readers_done or self.abort.wait(fault.wait):
                 return
             self.out.fired.append(f"{time.monotonic() - self.t0:6.2f}s, {self.progress} batches: {fault}")
@@ -364,7 +380,7 @@ class Run:
                 self.background.append(threading.Thread(target=self._apply, args=(fault,), daemon=True))
                 self.background[-1].start()
             elif not self._apply(fault):
-                self.abort.set()  # a server that does not come back leaves nothing more to learn
+                self._stop()  # a server that does not come back leaves nothing more to learn
                 return
 
     def _apply(self, f: Fault) -> bool:
@@ -425,9 +441,9 @@ class Run:
     # -- the run --------------------------------------------------------------------------------
     def execute(self) -> Outcome:
         o, dataset = self.o, self.dir / "data"
-        write_sample_dataset(str(dataset), rows=o.rows, dim=o.dim, files=o.files, row_group_rows=o.row_group_rows)
         threads: list[threading.Thread] = []
         try:
+            write_sample_dataset(str(dataset), rows=o.rows, dim=o.dim, files=o.files, row_group_rows=o.row_group_rows)
             self.port = self._start(o.serve_args(dataset, 0)).port
             self.proxy = TcpProxy(self.port, lifetime=self._left() + 30)
             threads = [threading.Thread(target=t, daemon=True) for t in (self._watch, self._faults)]
@@ -437,8 +453,7 @@ class Run:
         finally:
             with self.cond:
                 self.readers_done = True
-                self.cond.notify_all()
-            self.abort.set()
+            self._stop()
             for t in threads + self.background:
                 t.join(self._left() + 5.0)
             self._shutdown()
