@@ -415,7 +415,7 @@ class Run:
             finally:
                 server.proc.send_signal(signal.SIGCONT)
         elif f.kind == "cut":
-            self.proxy.cut()
+            self.proxy.cut(in_flight=True)  # as a reset in mid-transfer: what was sent is lost
         elif f.kind in ("delay", "stall"):
             self.proxy.delay(f.count / 1000) if f.kind == "delay" else self.proxy.stall()
             try:

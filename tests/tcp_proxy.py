@@ -83,14 +83,25 @@ class TcpProxy:
         self._sel.register(self._wake_r, selectors.EVENT_READ)
         self._delay = 0.0
         self._stalled = False
+        self._armed: tuple[float, threading.Event, list[int]] | None = None  # cut(in_flight=True)
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"tcp-proxy-{self.port}", daemon=True)
         self._thread.start()
 
     # -- commands (any thread) ----------------------------------------------------------------
-    def cut(self) -> int:
-        """Reset every connection now; returns how many pairs were cut. New ones are accepted."""
-        return self._command(self._cut_all)
+    def cut(self, in_flight: bool = False, within: float = 1.0) -> int:
+        """Reset every connection; returns how many pairs were cut. New ones are accepted.
+
+        With ``in_flight``, the cut waits (up to ``within`` seconds) for the next chunk the
+        server sends, and that chunk is lost with the connections: a reset in mid-transfer.
+        """
+        if not in_flight:
+            return self._command(self._cut_all)
+        done, result = threading.Event(), []
+        self._command(lambda: setattr(self, "_armed", (time.monotonic() + within, done, result)))
+        if not done.wait(within + COMMAND_WAIT):
+            raise RuntimeError(f"tcp proxy on port {self.port} did not cut within {within + COMMAND_WAIT}s")
+        return result[0]
 
     def delay(self, seconds: float) -> None:
         """Hold every chunk ``seconds`` before forwarding it (0 for none), until ``resume``."""
@@ -103,6 +114,11 @@ class TcpProxy:
     def resume(self) -> None:
         """Forward again, without delay."""
         self._command(lambda: (setattr(self, "_stalled", False), setattr(self, "_delay", 0.0)))
+
+    @property
+    def armed(self) -> bool:
+        """A ``cut(in_flight=True)`` waits for the server's next chunk."""
+        return self._armed is not None
 
     @property
     def connections(self) -> int:
@@ -144,6 +160,8 @@ class TcpProxy:
     def _loop(self) -> None:
         try:
             while time.monotonic() < self._deadline:
+                if self._armed is not None and time.monotonic() >= self._armed[0]:
+                    self._fire()  # nothing came from the server in time: cut anyway
                 self._update_interest()
                 for key, events in self._sel.select(self._select_timeout()):
                     sock = key.fileobj
@@ -154,6 +172,7 @@ class TcpProxy:
                     elif sock in self._pairs:  # an earlier event this turn may have closed it
                         self._service(sock, events)  # type: ignore[arg-type]
         finally:
+            self._fire()
             self._cut_all()
             self._closed.set()
             self._run_commands()  # nothing waits on a closed proxy
@@ -164,6 +183,8 @@ class TcpProxy:
     def _select_timeout(self) -> float:
         now = time.monotonic()
         timeout = min(0.5, max(0.0, self._deadline - now))
+        if self._armed is not None:
+            timeout = min(timeout, max(0.0, self._armed[0] - now))
         for pair in set(self._pairs.values()):
             for held in pair.held.values():
                 if held:
@@ -247,6 +268,9 @@ class TcpProxy:
             if data == b"":
                 self._drop(pair)
                 return
+            if data and sock is pair.up and self._armed is not None:
+                self._fire()  # this chunk is lost with the connections
+                return
             if data:
                 peer = pair.peer(sock)
                 pair.held[peer].append((time.monotonic() + self._delay, data))
@@ -268,6 +292,13 @@ class TcpProxy:
                     held[0] = (release, data[sent:])
                     break
                 held.popleft()
+
+    def _fire(self) -> None:
+        if self._armed is not None:
+            _, done, result = self._armed
+            self._armed = None
+            result.append(self._cut_all())
+            done.set()
 
     def _cut_all(self) -> int:
         pairs = {id(p): p for p in self._pairs.values()}

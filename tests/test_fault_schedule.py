@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import wait_until
 from fault_schedule import KINDS, make_schedule, run_schedule
 from tcp_proxy import TcpProxy
 
@@ -124,6 +125,23 @@ def test_proxy_forwards_and_a_cut_resets_every_connection_but_not_the_next(echo_
     with connect(echo_proxy.port) as c:
         c.sendall(b"again")
         assert c.recv(16) == b"again"
+
+
+def test_proxy_cut_in_flight_loses_the_chunk_it_meets(echo_proxy: TcpProxy) -> None:
+    with connect(echo_proxy.port) as sock:
+        sock.sendall(b"before")
+        assert sock.recv(16) == b"before"
+        cuts: list[int] = []
+        cutter = threading.Thread(target=lambda: cuts.append(echo_proxy.cut(in_flight=True, within=WAIT)))
+        cutter.start()
+        wait_until(lambda: echo_proxy.armed, WAIT, "the cut waits for the server's next chunk")
+        sock.sendall(b"lost")  # reaches the echo server; its answer is the chunk the cut meets
+        cutter.join(WAIT)
+        assert cuts == [1]
+        try:
+            assert sock.recv(16) == b""
+        except ConnectionResetError:
+            pass
 
 
 def test_proxy_stall_holds_the_bytes_until_resume(echo_proxy: TcpProxy) -> None:
