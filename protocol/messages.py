@@ -61,6 +61,7 @@ class ErrorCode:
     DATA = "data"  # the server could not produce a batch (names the file)
     DATA_LOSS = "data-loss"  # not fatal: rows left out under --on-bad-shard skip (names the file)
     INTERNAL = "internal"  # a bug in the server; the message says where
+    BUSY = "busy"  # the server is at a cap (sessions, sessions per address, threads); names it
 
 
 def _check_int(owner: str, name: str, value: Any, minimum: int = 0) -> None:
