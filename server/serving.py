@@ -4,6 +4,13 @@ The loop alone touches the socket. It answers requests, sends what sessions have
 their clients have credit, sends heartbeats to clients it has been silent to, and drops clients
 it has not heard from for three of their heartbeat intervals. Producer threads wake it through a
 pipe, so a batch that becomes ready is sent at once, not at the next poll timeout.
+
+Whatever peers send or claim, the server's own caps bound what they cost: sessions in all and per
+address (``fuelline.server.admission``), the heartbeat interval a client may claim, the credit it
+may grant (``Session.grant``), what libzmq queues to a peer that does not read (SNDHWM: hwm
+batches and a few control messages), and what a request costs before it is refused
+(``fuelline.server.inbound``). Anything that goes wrong with one request or one session is answered,
+logged with the peer, and the loop goes on serving the others.
 """
 
 from __future__ import annotations
@@ -11,8 +18,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import secrets
-import threading
 import time
 import uuid
 from typing import Any, Callable
@@ -24,7 +29,6 @@ from fuelline.protocol import (
     VERSION,
     Bye,
     Credit,
-    DataError,
     Error,
     ErrorCode,
     Heartbeat,
@@ -33,26 +37,25 @@ from fuelline.protocol import (
     ProtocolError,
     ProtocolVersionError,
     Welcome,
-    decode,
     encode,
 )
-from fuelline.server.keys import CurveConfig, is_loopback, start_authenticator
-from fuelline.server.local_ipc import LocalSocketDir
+from fuelline.server.admission import DEFAULT_MAX_CLIENTS, LOCAL, Admission, default_max_heartbeat, peer_of
+from fuelline.server.inbound import decode_request
+from fuelline.server.keys import CurveConfig
+from fuelline.server.listener import Listener
 from fuelline.server.recent import RecentBatches
 from fuelline.server.session import Session
 from fuelline.server.sources import BatchSource
+from fuelline.server.status import StatusLine, counters
 
 __all__ = ["Server"]
 
 log = logging.getLogger("fuelline.server")
 
-# Clients send only small control messages: libzmq disconnects a peer whose frame is bigger. It
-# caps each frame, not a whole multipart message (libzmq has no such option), so a hostile peer can
-# still make the server hold many frames; off loopback, CURVE keeps strangers out altogether.
-MAX_INBOUND_BYTES = 1 << 20
+SHUTDOWN_JOIN = 2.0  # seconds all producer threads together get to finish at shutdown
 
 
-class Server:
+class Server(Listener):
     """A data server: serves a ``BatchSource`` to any number of clients.
 
     Args:
@@ -74,6 +77,14 @@ class Server:
         memory_cache: the last K batches sent to each client are kept (with those prepared ahead
             of them), so a reconnecting client gets them without recomputation
             (``fuelline.server.recent``); 0 keeps none.
+        max_clients: most sessions at once; a Hello beyond is refused (``ErrorCode.BUSY``), unless
+            a session whose client never granted credit can make room (``fuelline.server.admission``).
+        max_clients_per_peer: most sessions from one peer address (ipc clients share one);
+            None: all but an eighth of ``max_clients``.
+        max_client_heartbeat: the longest heartbeat interval a client may claim (a longer one is
+            cut to it), so a silent client is dropped within 3 of them; also how long a session
+            may go without credit before it can make room for a newcomer. None: 10 heartbeats,
+            at least 30 s.
     """
 
     def __init__(
@@ -92,150 +103,34 @@ class Server:
         memory_cache: int = 10,
         local_ipc: bool = True,
         insecure: bool = False,
+        max_clients: int = DEFAULT_MAX_CLIENTS,
+        max_clients_per_peer: int | None = None,
+        max_client_heartbeat: float | None = None,
     ) -> None:
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
         if not 0 < heartbeat <= 3600:
             raise ValueError(f"heartbeat must be in (0, 3600] seconds, got {heartbeat}")
+        if max_client_heartbeat is None:
+            max_client_heartbeat = default_max_heartbeat(heartbeat)
+        if not 0 < max_client_heartbeat <= 3600:
+            raise ValueError(f"max_client_heartbeat must be in (0, 3600] seconds, got {max_client_heartbeat}")
+        self.max_client_heartbeat = max_client_heartbeat
+        self.admission = Admission(max_clients, max_clients_per_peer, grace=max_client_heartbeat)
+        super().__init__(host=host, port=port, hwm=hwm, context=context, curve=curve, local_ipc=local_ipc,
+                         insecure=insecure)
         self.source = source
-        self.host = host
-        self.port = port
-        self.hwm = hwm
         self.heartbeat = heartbeat
         self.checksum = checksum
         self.limits = limits
-        self.curve = curve
-        if curve is None and not insecure and not is_loopback(host):
-            raise DataError(
-                f"refusing to serve on {host} without CURVE: anyone who can reach the port could read the data. "
-                "Create keys with `fuelline keygen DIR` and pass curve=CurveConfig.from_dir(DIR), or "
-                "insecure=True for a network that is private by other means"
-            )
-        self._auth: Any = None  # the ZAP authenticator thread, while CURVE is on
         self.sessions: dict[bytes, Session] = {}
-        self.local_ipc = local_ipc
-        self.local: dict[str, str] | None = None  # the ipc endpoint and its token, once bound
-        self._ipc_dir: LocalSocketDir | None = None
         # The memory tier: the last K batches sent to each client, plus the up to hwm prepared
         # ahead of them (held anyway), so a client that lost its in-flight batches gets them again.
         self.recent = RecentBatches(memory_cache + hwm) if memory_cache else None
-        self.endpoint: str | None = None
-        # A context of its own, terminated at shutdown: that waits (up to the linger) until
-        # libzmq has sent or dropped every zero-copy frame, before their memory can go away.
-        self._own_ctx = context is None
-        self._ctx = context if context is not None else zmq.Context()
-        self._router: zmq.Socket | None = None
-        self._stop_reason: str | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._pipe_closed = False
-        self._wake_pending = False
-        self._thread: threading.Thread | None = None
-        self.stats = {"malformed": 0, "dropped_silent": 0, "sessions": 0, "batches": 0, "bytes": 0}
+        self.stats = {"malformed": 0, "dropped_silent": 0, "sessions": 0, "batches": 0, "bytes": 0, "refused_busy": 0,
+                      "errors": 0}
         self.status_interval = status_interval  # seconds between status lines in the log; 0: none
-        self._status_at = time.monotonic() + status_interval
-        self._status_base = (0, 0, time.monotonic())
-
-    # -- lifecycle -----------------------------------------------------------------------------
-    def bind(self) -> str:
-        """Bind the socket; returns ``tcp://host:port`` with the port actually bound."""
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a vanished peer raises instead of a silent drop
-        router.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
-        router.setsockopt(zmq.LINGER, 1000)
-        address = f"[{self.host}]" if ":" in self.host else self.host
-        if ":" in self.host:
-            router.setsockopt(zmq.IPV6, 1)
-        try:
-            self._secure(router)
-            if self.port == 0:
-                self.port = router.bind_to_random_port(f"tcp://{address}")
-            else:
-                router.bind(f"tcp://{address}:{self.port}")
-            if self.local_ipc and self.curve is None:
-                # (With CURVE every connection stays on it: the server's keys decide who reads.)
-                self._bind_local(router)
-        except BaseException:
-            router.close(linger=0)
-            self._stop_auth()
-            self._remove_local()
-            raise
-        self._router = router
-        self.endpoint = f"tcp://{address}:{self.port}"
-        return self.endpoint
-
-    def _bind_local(self, router: zmq.Socket) -> None:
-        """The Unix socket that clients on this host move to, with the token that proves it."""
-        self._ipc_dir = LocalSocketDir()  # (sweeps the folders of servers killed before they could)
-        path = self._ipc_dir.socket_path
-        router.bind(f"ipc://{path}")
-        token = secrets.token_hex(16)
-        with open(path + ".token", "w") as f:
-            f.write(token)
-        self.local = {"endpoint": f"ipc://{path}", "token": token}
-
-    def _remove_local(self) -> None:
-        if self._ipc_dir is not None:
-            self._ipc_dir.remove()
-            self._ipc_dir = None
-
-    def _secure(self, router: zmq.Socket) -> None:
-        """CURVE on the socket (before bind), or a warning where the clear text can leave the machine."""
-        if self.curve is None:
-            if not is_loopback(self.host):  # (only when asked for: see insecure in __init__)
-                log.warning(
-                    "serving on %s without encryption or authentication (insecure): anyone who can reach "
-                    "this port can read the data",
-                    self.host,
-                )
-            return
-        # The authenticator must answer before the first client connects: without a ZAP
-        # handler, libzmq lets every CURVE client in.
-        self._auth = start_authenticator(self._ctx, self.curve)
-        router.curve_secretkey = self.curve.secret_key
-        router.curve_publickey = self.curve.public_key
-        router.curve_server = True
-
-    def _stop_auth(self) -> None:
-        if self._auth is not None:
-            self._auth.stop()  # closes its sockets: the context cannot terminate before this
-            self._auth = None
-
-    def stop(self, reason: str = "server shutting down") -> None:
-        """Ask the loop to say Bye to every client and return. Safe from signal handlers and threads."""
-        self._stop_reason = reason
-        self._wake()
-
-    def start(self) -> str:
-        """Bind and serve in a background thread; returns the endpoint."""
-        endpoint = self.bind() if self._router is None else self.endpoint
-        self._thread = threading.Thread(target=self.serve_forever, name="fuelline-serve", daemon=True)
-        self._thread.start()
-        return endpoint  # type: ignore[return-value]
-
-    def join(self, timeout: float | None = None) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def __enter__(self) -> "Server":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-        self.join(10)
-
-    def _wake(self) -> None:
-        # One byte per wake-up, not per batch: the loop clears the flag after emptying the pipe
-        # and before it looks at the sessions, so a batch readied after that rings again.
-        if self._pipe_closed or self._wake_pending:
-            return  # (closed: its fd numbers may belong to someone else by now)
-        self._wake_pending = True
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full, so the loop is already due to wake
+        self._status = StatusLine(status_interval, time.monotonic())
 
     # -- the loop ------------------------------------------------------------------------------
     def serve_forever(self, ready: Callable[[str], None] | None = None) -> None:
@@ -264,7 +159,7 @@ class Server:
                         pass
                     self._wake_pending = False  # after the drain, or a ring during it is lost
                 for session in list(self.sessions.values()):
-                    self._flush(session)
+                    self._guarded(session.routing_id, "sending", self._flush, session)
                 now = time.monotonic()
                 if now >= next_tick:
                     self._keepalive(now)
@@ -275,21 +170,45 @@ class Server:
     def _drain_requests(self, router: zmq.Socket) -> None:
         for _ in range(1000):  # bounded, so a flood cannot starve sending
             try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
+                # Not copied: a request is judged by its header first (fuelline.server.inbound).
+                frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             if len(frames) < 2:
                 continue
-            self._handle(frames[0], frames[1:])
+            self._guarded(frames[0].bytes, "handling a request", self._handle, frames[0], frames[1:], frame=frames[0])
 
-    def _send(self, rid: bytes, frames: list[Any]) -> bool:
+    def _guarded(self, rid: bytes, doing: str, step: Callable[..., None], *args: Any, frame: Any = None) -> None:
+        """One request (``frame``: its first) or one session's turn: whatever it raises (a bug,
+        MemoryError) is logged with the peer and answered, its session ends, and the loop serves
+        the others. Only the loop's own socket failing ends the loop."""
+        try:
+            step(*args)
+        except zmq.ZMQError:
+            raise
+        except Exception as exc:
+            self.stats["errors"] += 1
+            session = self.sessions.get(rid)
+            try:
+                peer = session.peer if session is not None else peer_of(frame)
+                who = f"client {session.name}" if session is not None else f"connection {rid.hex()}"
+                log.error("%s from %s: %s failed", who, peer, doing, exc_info=True)
+                if session is not None:
+                    self._drop(session, f"{doing} failed ({type(exc).__name__})")
+                self._reply(rid, ErrorCode.INTERNAL, f"the server failed {doing}: {type(exc).__name__}: {exc}"[:1000])
+            except zmq.ZMQError:
+                raise
+            except Exception:  # (MemoryError again, say): the next request may fare better
+                pass
+
+    def _send(self, rid: bytes, frames: list[Any], drop_if_full: bool = True) -> bool:
         assert self._router is not None
         try:
             self._router.send_multipart([rid, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
             if exc.errno in (errno.EHOSTUNREACH, errno.EAGAIN):
                 session = self.sessions.get(rid)
-                if session is not None:
+                if session is not None and (drop_if_full or exc.errno == errno.EHOSTUNREACH):
                     why = "disconnected" if exc.errno == errno.EHOSTUNREACH else "not reading"
                     self._drop(session, why)
                 return False
@@ -302,9 +221,10 @@ class Server:
     def _reply(self, rid: bytes, code: str, message: str, fatal: bool = True) -> None:
         self._send(rid, encode(Error(code, message, fatal)))
 
-    def _handle(self, rid: bytes, frames: list[bytes]) -> None:
+    def _handle(self, head: zmq.Frame, body: list[zmq.Frame]) -> None:
+        rid = head.bytes
         try:
-            msg = decode(frames, limits=self.limits)
+            msg = decode_request(body, self.limits)
         except ProtocolVersionError as exc:
             self.stats["malformed"] += 1
             self._reply(rid, ErrorCode.VERSION, f"this server speaks fuelline protocol version {VERSION}, the client sent version {exc.got!r}")
@@ -318,13 +238,12 @@ class Server:
         if session is not None:
             session.last_heard = time.monotonic()
         if isinstance(msg, Hello):
-            self._hello(rid, msg)
+            self._hello(rid, msg, peer_of(head))
         elif isinstance(msg, (Credit, Heartbeat)):
             if session is None:
                 self._reply(rid, ErrorCode.NO_SESSION, "no session for this connection; send Hello", fatal=False)
             elif isinstance(msg, Credit):
-                session.grant(msg.n)
-                self._flush(session)
+                self._credit(session, msg.n)
         elif isinstance(msg, Bye):
             if session is not None:
                 self._drop(session, f"said bye ({msg.reason})" if msg.reason else "said bye", level=logging.INFO)
@@ -333,7 +252,29 @@ class Server:
         else:
             self._reply(rid, ErrorCode.BAD_REQUEST, f"a client may not send {msg.TYPE} messages")
 
-    def _hello(self, rid: bytes, hello: Hello) -> None:
+    def _credit(self, session: Session, n: int) -> None:
+        try:
+            session.grant(n)
+        except ProtocolError as exc:
+            self._drop(session, f"a credit no client could grant, from {session.peer}: {exc}")
+            self._reply(session.routing_id, ErrorCode.BAD_REQUEST, f"refused: {exc}")
+            return
+        if self._start(session):
+            self._flush(session)
+
+    def _start(self, session: Session) -> bool:
+        """Start the session's producer once its client has granted credit; a process out of
+        threads refuses this session (busy) and goes on serving the others."""
+        try:
+            session.start()
+        except RuntimeError as exc:  # "can't start new thread"
+            self.stats["refused_busy"] += 1
+            self._drop(session, f"no thread for it ({exc}), from {session.peer}")
+            self._reply(session.routing_id, ErrorCode.BUSY, f"server busy: it cannot start another thread ({exc})")
+            return False
+        return True
+
+    def _hello(self, rid: bytes, hello: Hello, peer: str = LOCAL) -> None:
         src = self.source
         if hello.split not in src.splits:
             self._reply(rid, ErrorCode.UNKNOWN_SPLIT, f"split {hello.split!r} is not served here; this server has splits {list(src.splits)}")
@@ -345,14 +286,27 @@ class Server:
                 detail = why if why else f"this server has sources {list(src.sources)}"
                 self._reply(rid, ErrorCode.UNKNOWN_SOURCE, f"cannot serve source {name!r}: {detail}")
                 return
+        old = self.sessions.get(rid)
+        twins = [s for s in self.sessions.values() if s.hello.client_id == hello.client_id and s is not old]
+        now = time.monotonic()
+        verdict = self.admission.admit(self.sessions.values(), peer, [*twins, old] if old else twins, now)
+        if verdict.refusal is not None:
+            self.stats["refused_busy"] += 1
+            self.admission.log_refusal(hello.client_id[:12], peer, verdict.refusal)
+            self._reply(rid, ErrorCode.BUSY, verdict.refusal)
+            return
+        if verdict.evict is not None:
+            idle = now - verdict.evict.created
+            self._drop(verdict.evict, f"granted no credit in {idle:.1f}s; its place went to a new client", logging.INFO)
+            self._send(verdict.evict.routing_id, encode(Bye(f"server full, and this session granted no credit in {idle:.0f}s")))
         old = self.sessions.pop(rid, None)
         if old is not None:
             old.stop()
-        for other in list(self.sessions.values()):
-            if other.hello.client_id == hello.client_id:
-                self._drop(other, "replaced by a new connection of the same client", level=logging.INFO)
+        for other in twins:
+            self._drop(other, "replaced by a new connection of the same client", level=logging.INFO)
         name = f"{hello.client_id[:12]}#{uuid.uuid4().hex[:6]}"
-        session = Session(rid, hello, src, tuple(wanted), self.hwm, self.checksum, self._wake, name, self.recent)
+        session = Session(rid, hello, src, tuple(wanted), self.hwm, self.checksum, self._wake, name, self.recent,
+                          peer=peer, max_heartbeat=self.max_client_heartbeat)
         self.sessions[rid] = session
         self.stats["sessions"] += 1
         schema = src.schema()
@@ -368,13 +322,12 @@ class Server:
             # A source without one (a Fuel-style stream) leaves its clients nothing to hold to.
             fingerprint=getattr(src, "fingerprint", lambda split: None)(hello.split),
         )
-        if self._send(rid, encode(welcome)):
-            if old is None:
-                log.info(
-                    "client %s: rank %d of %d, split %r, from epoch %d batch %d",
-                    name, hello.rank, hello.world_size, hello.split, hello.epoch, hello.cursor,
-                )
-            session.start()
+        # Before the Welcome: a session the server has no thread for is refused, not welcomed.
+        if self._start(session) and self._send(rid, encode(welcome)) and old is None:
+            log.info(
+                "client %s: rank %d of %d, split %r, from epoch %d batch %d",
+                name, hello.rank, hello.world_size, hello.split, hello.epoch, hello.cursor,
+            )
 
     def _flush(self, session: Session) -> None:
         for kind, frames in session.take_sendable():
@@ -387,46 +340,19 @@ class Server:
     def counters(self) -> dict[str, int]:
         """Everything counted so far: batches and bytes sent, sessions, the cache tiers' hits and
         misses, the source's own events (worker restarts, remote fetches...)."""
-        out = dict(self.stats)
-        if self.recent is not None:
-            out.update(self.recent.stats())
-        # Read under the counts' own lock: read-ahead, prefetch and worker-pool threads add to
-        # them meanwhile, and a dict that grows while it is copied raises.
-        counts = getattr(self.source, "counters", None)
-        if counts is not None:
-            out.update(counts.snapshot() if hasattr(counts, "snapshot") else dict(counts))
-        return out
-
-    def _status(self, now: float) -> None:
-        """One readable line per interval: what an operator looks at first."""
-        batches, nbytes, since = self._status_base
-        dt = max(now - since, 1e-9)
-        queued = sum(s.queued for s in self.sessions.values())
-        counts = self.counters()
-        tiers = []
-        for tier in ("memory", "decoded", "disk"):
-            hits, misses = counts.get(f"cache_{tier}_hits", 0), counts.get(f"cache_{tier}_misses", 0)
-            if hits or misses:
-                tiers.append(f"{tier} cache {hits} hits / {misses} misses")
-        if counts.get("remote_fetches"):
-            tiers.append(f"{counts['remote_fetches']} remote fetches ({counts.get('remote_bytes', 0) / 1e6:.1f} MB)")
-        log.info(
-            "%d clients; %.1f batches/s, %.1f MB/s; %d batches prepared and waiting for credit%s",
-            len(self.sessions), (self.stats["batches"] - batches) / dt, (self.stats["bytes"] - nbytes) / dt / 1e6, queued,
-            "".join(f"; {t}" for t in tiers),
-        )
-        self._status_base = (self.stats["batches"], self.stats["bytes"], now)
-        self._status_at = now + self.status_interval
+        return counters(self)
 
     def _keepalive(self, now: float) -> None:
-        if self.status_interval and now >= self._status_at:
-            self._status(now)
+        if self._status.due(now):
+            self._status.log(self, now)
         for session in list(self.sessions.values()):
             if now - session.last_heard > 3 * session.client_heartbeat:
                 self.stats["dropped_silent"] += 1
                 self._drop(session, f"silent for {now - session.last_heard:.1f}s (3 heartbeat intervals)")
             elif now - session.last_sent >= self.heartbeat:
-                self._send(session.routing_id, encode(Heartbeat()))
+                # A heartbeat that finds the peer's queue full is not sent, and costs nothing:
+                # the peer has plenty to read, and its own silence, not ours, decides its fate.
+                self._send(session.routing_id, encode(Heartbeat()), drop_if_full=False)
 
     def _drop(self, session: Session, why: str, level: int = logging.WARNING) -> None:
         if self.sessions.get(session.routing_id) is session:
@@ -439,21 +365,12 @@ class Server:
         for session in list(self.sessions.values()):
             self._send(session.routing_id, bye)
             session.stop()
+        # One deadline for all: joined one after another, each with its own timeout, a server
+        # with many sessions would take minutes to stop.
+        deadline = time.monotonic() + SHUTDOWN_JOIN
         for session in list(self.sessions.values()):
-            session.join(2.0)
+            session.join(max(0.0, deadline - time.monotonic()))
         self.sessions.clear()
-        if self._router is not None:
-            self._router.close()  # LINGER 1000: a Bye still queued gets a second to leave
-            self._router = None
-        self._stop_auth()
-        self._remove_local()
-        if self._own_ctx:
-            self._ctx.term()
-        self._pipe_closed = True
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._close()
         counts = {k: v for k, v in self.counters().items() if v}
         log.info("server stopped: %s; totals: %s", reason, ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none")

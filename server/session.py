@@ -4,7 +4,12 @@ batches.
 The producer thread runs ahead of the client by at most ``hwm`` prepared batches; the serving loop
 sends them while the client has credit and fewer than ``hwm`` batches in flight. So a session
 holds at most 2 × hwm batches however slow its client, and a client's memory holds at most its
-own hwm.
+own hwm. The thread starts with the client's first credit: a session never granted any holds no
+thread and no batch, so idle connections cost the server next to nothing.
+
+Credit is believed only as far as an honest client could grant it (``grant``): the server never
+counts more than hwm batches as granted or in flight, and a client that returns credit for more
+batches than it could hold is refused, so a lie cannot make the server queue more.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections import deque
 from typing import Any, Callable, Iterator
 
 
-from fuelline.protocol import Batch, DataError, EndOfEpoch, Error, ErrorCode, Hello, encode
+from fuelline.protocol import Batch, DataError, EndOfEpoch, Error, ErrorCode, Hello, ProtocolError, encode
 from fuelline.protocol.arrays import wire_array
 from fuelline.protocol.codec import batch_checksums
 from fuelline.server.recent import RecentBatches
@@ -32,7 +37,13 @@ Item = tuple[str, list[Any]]
 
 
 class Session:
-    """A client connection's session; the serving loop owns its socket side."""
+    """A client connection's session; the serving loop owns its socket side.
+
+    Args:
+        peer: the connection's remote address (``"local"`` over ipc), for caps and logs.
+        max_heartbeat: the longest heartbeat interval the server lets a client claim: a silent
+            client is dropped after 3 intervals, so this bounds how long a mute one is kept.
+    """
 
     def __init__(
         self,
@@ -45,16 +56,26 @@ class Session:
         wake: Callable[[], None],
         name: str,
         recent: RecentBatches | None = None,
+        *,
+        peer: str = "local",
+        max_heartbeat: float = 3600.0,
     ) -> None:
         self.routing_id = routing_id
         self.hello = hello
         self.sources = sources
         self.name = name
+        self.peer = peer
         self.hwm = hwm
-        self.credit = hello.credit
+        # A client whose hwm is larger than the server's asks for more; the server's hwm decides.
+        self.credit = min(hello.credit, hwm)
         self.in_flight = 0
-        self.last_heard = self.last_sent = time.monotonic()
+        self.granted = self.credit > 0  # the client has made room for a batch at least once
+        self.client_heartbeat = min(hello.heartbeat, max_heartbeat)
+        self.created = self.last_heard = self.last_sent = time.monotonic()
         self.sent_batches = 0
+        # Credit returned for batches this session did not send (see grant).
+        self._returned_unsent = 0
+        self._unsent_allowed = max(hwm, hello.credit)
         self._source = source
         self._recent = recent
         # A unit source never writes a batch's arrays again; a Fuel stream may reuse its buffers
@@ -68,19 +89,29 @@ class Session:
         self._cond = threading.Condition()
         self._stopped = False
         self._producer_waiting = False
-        self._thread = threading.Thread(target=self._produce, name=f"fuelline-{name}", daemon=True)
-
-    @property
-    def client_heartbeat(self) -> float:
-        return self.hello.heartbeat
+        self._thread: threading.Thread | None = None
 
     @property
     def queued(self) -> int:
         """Items prepared and not yet sent (waiting for the client's credit)."""
         return len(self._ready)
 
+    @property
+    def producing(self) -> bool:
+        """Whether the producer thread was started (the client granted credit)."""
+        return self._thread is not None
+
     def start(self) -> None:
-        self._thread.start()
+        """Start preparing batches if the client has granted credit; else the first ``grant``
+        that leaves credit does.
+
+        Raises:
+            RuntimeError: no thread could be started (the process is at its thread limit).
+        """
+        if self._thread is None and self.credit > 0 and not self._stopped:
+            thread = threading.Thread(target=self._produce, name=f"fuelline-{self.name}", daemon=True)
+            thread.start()
+            self._thread = thread  # (only once started: a failed start leaves nothing to join)
 
     def stop(self) -> None:
         with self._cond:
@@ -89,13 +120,35 @@ class Session:
             self._cond.notify_all()
 
     def join(self, timeout: float) -> None:
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
 
     # -- serving loop side ---------------------------------------------------------------------
     def grant(self, n: int) -> None:
-        self.credit = min(self.credit + n, 1 << 30)
+        """The client made room for ``n`` more batches.
+
+        An honest client keeps what it was sent and has not taken, plus its credit, within its
+        hwm; so the server believes at most its own hwm of credit and batches in flight. Credit
+        for batches this session never sent is a reconnecting client's, for batches it still
+        held from its connection before: its Hello asked for its hwm minus those. The server
+        does not know that hwm, and allows the larger of its own and the Hello's credit.
+
+        Raises:
+            ProtocolError: credit no honest client could grant (the session must end).
+        """
+        self._returned_unsent += max(0, n - self.in_flight)
+        if self._returned_unsent > self._unsent_allowed:
+            raise ProtocolError(
+                f"credit for {n} batches with {self.in_flight} in flight: a client returns credit for the batches "
+                f"it was sent, and for at most {self._unsent_allowed} it held from an earlier connection"
+            )
         self.in_flight = max(0, self.in_flight - n)
+        self.credit = min(self.credit + n, self.hwm - self.in_flight)
+        self.granted = True
+
+    def never_granted_for(self, grace: float, now: float) -> bool:
+        """Whether the client has never granted credit, for at least ``grace`` seconds."""
+        return not self.granted and now - self.created >= grace
 
     def take_sendable(self) -> list[Item]:
         """Items the loop may send now, in order, with their credit already taken."""

@@ -7,6 +7,7 @@ import sys
 import threading
 from typing import Any
 
+from fuelline.server.admission import DEFAULT_MAX_CLIENTS
 from fuelline.server.fuel_source import FuelStreamSource
 from fuelline.server.keys import CurveConfig
 from fuelline.server.serving import Server
@@ -41,6 +42,7 @@ def start_server(
     curve_keys: str | None = None,
     memory_cache: int = 10,
     insecure: bool = False,
+    max_clients: int = DEFAULT_MAX_CLIENTS,
 ) -> None:
     """Serve a data stream to ``ServerDataStream`` clients until SIGTERM/SIGINT, as Fuel did.
 
@@ -62,11 +64,13 @@ def start_server(
             (a stream that reuses its buffers) is prepared again instead. 0 keeps none.
         insecure: allow a ``host`` other than loopback without ``curve_keys`` (refused otherwise:
             anyone who reaches the port would read the data).
+        max_clients: most client sessions at once; a Hello beyond is refused as busy
+            (``fuelline.server.admission``).
     """
     source = data_stream if hasattr(data_stream, "iter_batches") else FuelStreamSource(data_stream)
     curve = CurveConfig.from_dir(curve_keys) if curve_keys is not None else None
     server = Server(source, host=host, port=port, hwm=hwm, heartbeat=heartbeat, checksum=checksum, curve=curve,
-                    memory_cache=memory_cache, insecure=insecure)
+                    memory_cache=memory_cache, insecure=insecure, max_clients=max_clients)
     server.bind()
     try:
         serve_until_signalled(server)

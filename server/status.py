@@ -1,0 +1,56 @@
+"""What a server reports about itself: its counters, and the status line it logs per interval."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+__all__ = ["counters", "StatusLine"]
+
+log = logging.getLogger("fuelline.server")
+
+
+def counters(server: Any) -> dict[str, int]:
+    """Everything a server counted so far: its own ``stats``, the memory tier's, the source's."""
+    out = dict(server.stats)
+    if server.recent is not None:
+        out.update(server.recent.stats())
+    # Read under the counts' own lock: read-ahead, prefetch and worker-pool threads add to
+    # them meanwhile, and a dict that grows while it is copied raises.
+    counts = getattr(server.source, "counters", None)
+    if counts is not None:
+        out.update(counts.snapshot() if hasattr(counts, "snapshot") else dict(counts))
+    return out
+
+
+class StatusLine:
+    """One readable line per interval: what an operator looks at first."""
+
+    def __init__(self, interval: float, now: float) -> None:
+        self.interval = interval  # seconds; 0: none
+        self._at = now + interval
+        self._base = (0, 0, now)
+
+    def due(self, now: float) -> bool:
+        return bool(self.interval) and now >= self._at
+
+    def log(self, server: Any, now: float) -> None:
+        batches, nbytes, since = self._base
+        dt = max(now - since, 1e-9)
+        sessions = list(server.sessions.values())
+        queued = sum(s.queued for s in sessions)
+        counts = counters(server)
+        tiers = []
+        for tier in ("memory", "decoded", "disk"):
+            hits, misses = counts.get(f"cache_{tier}_hits", 0), counts.get(f"cache_{tier}_misses", 0)
+            if hits or misses:
+                tiers.append(f"{tier} cache {hits} hits / {misses} misses")
+        if counts.get("remote_fetches"):
+            tiers.append(f"{counts['remote_fetches']} remote fetches ({counts.get('remote_bytes', 0) / 1e6:.1f} MB)")
+        log.info(
+            "%d clients; %.1f batches/s, %.1f MB/s; %d batches prepared and waiting for credit%s",
+            len(sessions), (counts["batches"] - batches) / dt, (counts["bytes"] - nbytes) / dt / 1e6, queued,
+            "".join(f"; {t}" for t in tiers),
+        )
+        self._base = (counts["batches"], counts["bytes"], now)
+        self._at = now + self.interval
