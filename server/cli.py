@@ -16,6 +16,7 @@ import time
 from typing import Sequence
 
 from fuelline.protocol import DataError, FuellineError
+from fuelline.server.admission import DEFAULT_MAX_CLIENTS
 from fuelline.server.logs import LOG_FORMATS
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -104,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "the log says which); off by default")
     serve.add_argument("--metrics-host", default="127.0.0.1",
                        help="interface of the metrics endpoint (default loopback; it has no authentication)")
+    serve.add_argument("--max-clients", type=_positive_int, default=DEFAULT_MAX_CLIENTS, metavar="N",
+                       help="most client sessions at once; a Hello beyond is refused as busy, unless a session "
+                            "that granted no credit for --max-client-heartbeat seconds can make room")
+    serve.add_argument("--max-clients-per-peer", type=_positive_int, default=None, metavar="N",
+                       help="most sessions from one address (every client on this host shares one); default: "
+                            "all but an eighth of --max-clients")
+    serve.add_argument("--max-client-heartbeat", type=_seconds, default=None, metavar="SECONDS",
+                       help="longest heartbeat interval a client may claim: a silent one is dropped after 3 of "
+                            "them; default: 10 x --heartbeat, at least 30")
     storage = serve.add_argument_group("remote datasets (DATASET as s3://bucket/prefix, file://...)")
     storage.add_argument("--cache-dir", metavar="DIR", default=None,
                          help="local copies of remote shards (default: $XDG_CACHE_HOME/fuelline or ~/.cache/fuelline)")
@@ -212,7 +222,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise DataError(f"--status-interval must be >= 0 seconds, got {args.status_interval}")
     server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum,
                     curve=curve, status_interval=args.status_interval, memory_cache=args.memory_cache,
-                    local_ipc=args.local_ipc, insecure=args.insecure)
+                    local_ipc=args.local_ipc, insecure=args.insecure, max_clients=args.max_clients,
+                    max_clients_per_peer=args.max_clients_per_peer, max_client_heartbeat=args.max_client_heartbeat)
     try:
         server.bind()
     except Exception as exc:
