@@ -24,36 +24,27 @@ Welcome that differs, before any batch of that server is handed over.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from fuelline.client.curve import CurveKeys, HandshakeWatch
+from fuelline.client.receiving import Item, Receiving
 from fuelline.protocol import (
     DEFAULT_LIMITS,
-    Batch,
     Bye,
     Credit,
-    EndOfEpoch,
-    Error,
-    ErrorCode,
     FingerprintMismatch,
     Heartbeat,
     Hello,
     Limits,
-    ProtocolError,
-    ProtocolVersionError,
-    RemoteError,
     ServerUnavailable,
     Welcome,
-    decode,
     encode,
 )
 
@@ -62,18 +53,7 @@ __all__ = ["Connection", "Item"]
 log = logging.getLogger("fuelline.client")
 
 
-@dataclass(frozen=True)
-class Item:
-    """A batch or an end of epoch, tagged with the user's stream it belongs to."""
-
-    stream: int
-    kind: str  # "batch" or "end"
-    epoch: int = 0
-    seq: int = 0
-    arrays: dict | None = None
-
-
-class Connection:
+class Connection(Receiving):
     """One server connection.
 
     Args:
@@ -116,6 +96,7 @@ class Connection:
         self._local = local
         self.welcome: Welcome | None = None
         self.reconnects = 0
+        self.resumes_after_loss = 0  # times messages lost in transit were asked for again
         self.data_losses: list[str] = []  # what the server left out (--on-bad-shard skip), in its words
         self.fingerprint: dict[str, str] | None = None  # the sequence this connection's positions belong to
         self._fingerprint_at = ""  # where it came from, as an error names it
@@ -147,6 +128,8 @@ class Connection:
         self._credit_group = max(1, hwm // 4)
         self._connected = False
         self._awaiting_welcome = False
+        self._received = 0  # batches and ends of epoch of this Hello's stream received (see Heartbeat.sent)
+        self._losses: tuple[tuple[int, int], int] = ((-1, -1), 0)  # (position, losses met there in a row)
         self._server_heartbeat = heartbeat
         self._bye_reason = ""
         self._bye_pending = False
@@ -318,6 +301,7 @@ class Connection:
         self._pending_credit = 0  # the Hello's credit (hwm - undelivered) includes it
         self._send(self._hello())
         self._hello_sent = time.monotonic()
+        self._received = 0
         self._awaiting_welcome = True
 
     def _close_socket(self) -> None:
@@ -379,9 +363,15 @@ class Connection:
         if self._sock is None:
             return
         limit = 3 * (self._server_heartbeat if self._connected else self._heartbeat)
-        if self._bye_pending or now - max(self._last_heard, self._hello_sent) > limit:
+        # No Welcome for as long counts as silence, whatever else the server says: a Hello lost
+        # with a server killed after it was sent is never answered by the next one, which only
+        # replies no-session to heartbeats.
+        unwelcome = self._awaiting_welcome and now - self._hello_sent > limit
+        if self._bye_pending or unwelcome or now - max(self._last_heard, self._hello_sent) > limit:
             # Silence (or a Bye): drop this socket and try again with backoff.
-            if not self._bye_pending:
+            if unwelcome and now - self._last_heard <= limit:
+                log.warning("server %s sent no Welcome in %.1fs; reconnecting", self.endpoint, now - self._hello_sent)
+            elif not self._bye_pending:
                 log.warning("server %s silent for %.1fs; reconnecting", self.endpoint, silent)
             self._bye_pending = False
             self._close_socket()
@@ -390,107 +380,7 @@ class Connection:
         elif now - self._last_sent >= self._heartbeat:
             self._send(Heartbeat())
 
-    def _shares_host(self, local: Any) -> bool:
-        """Whether the server's ipc endpoint is reachable from here: its token file must read
-        the same here (a container on the same machine has a filesystem of its own)."""
-        if not self._local:
-            return False
-        path = local["endpoint"][len("ipc://"):]
-        try:
-            with open(path + ".token") as f:
-                return f.read(256) == local["token"]
-        except OSError:
-            return False
-
     def _detail(self, detail: str) -> str:
         """``detail``, and what the handshakes suggest when the server was never heard properly."""
         hint = self._watch.hint()
         return "; ".join(part for part in (detail, hint) if part)
-
-    def _drain_socket(self, limit: int | None = None) -> None:
-        for _ in itertools.repeat(None) if limit is None else range(limit):
-            if self._sock is None or self._error is not None:
-                return
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._last_heard = time.monotonic()
-            self._messages += 1
-            try:
-                msg = decode(frames, limits=self._limits, verify=self._verify)
-            except ProtocolVersionError as exc:
-                self._fail(ProtocolVersionError(exc.got, exc.expected, peer=self.endpoint))
-                return
-            except ProtocolError as exc:
-                self._fail(ProtocolError(f"from {self.endpoint}: {exc}"))
-                return
-            self._on_message(msg)
-
-    def _on_message(self, msg: Any) -> None:
-        if isinstance(msg, Batch):
-            if msg.stream != self._gen:
-                return  # from a session a later Hello replaced
-            if self._awaiting_welcome:
-                # Its Welcome, and so its fingerprint, is not checked yet: never hand it over.
-                self._fail(ProtocolError(f"{self.endpoint} sent batch {msg.epoch}:{msg.seq} before its Welcome"))
-                return
-            if (msg.epoch, msg.seq) != self._pos:
-                self._fail(ProtocolError(f"{self.endpoint} sent batch {msg.epoch}:{msg.seq}, expected {self._pos[0]}:{self._pos[1]}"))
-                return
-            self._items.append(Item(self._stream, "batch", msg.epoch, msg.seq, dict(msg.arrays)))
-            self._undelivered += 1
-            self._pos = (msg.epoch, msg.seq + 1)
-        elif isinstance(msg, EndOfEpoch):
-            if msg.stream != self._gen:
-                return
-            if (msg.epoch, msg.batches) != self._pos:
-                self._fail(ProtocolError(f"{self.endpoint} ended epoch {msg.epoch} after {msg.batches} batches, expected {self._pos[0]}:{self._pos[1]}"))
-                return
-            self._items.append(Item(self._stream, "end", msg.epoch, msg.batches))
-            self._pos = (msg.epoch + 1, 0)
-            self._history = ()  # later epochs start whole
-        elif isinstance(msg, Welcome):
-            if msg.stream == self._gen:
-                if self.fingerprint is None:
-                    if msg.fingerprint is not None:
-                        self.fingerprint = dict(msg.fingerprint)
-                        self._fingerprint_at = f"in what {self.endpoint} served before"
-                elif msg.fingerprint != self.fingerprint:
-                    self._fail(FingerprintMismatch(self.fingerprint, msg.fingerprint, self._fingerprint_at,
-                                                   f"at {self.endpoint} now"))
-                    return
-                self._connected = True
-                self._awaiting_welcome = False
-                self._bye_reason = ""
-                self._backoff = self.BACKOFF_MIN
-                self._server_heartbeat = msg.heartbeat
-                self.welcome = msg
-                # The handshake is done: nothing more to learn from the monitor, whose unread
-                # events would pile up for as long as this socket lives.
-                self._watch.detach()
-                if msg.local is not None and self.transport == self.endpoint and self._shares_host(msg.local):
-                    # The same session again over the Unix socket: the Hello there replaces this
-                    # one, and batches sent meanwhile over TCP come again (from the server's memory).
-                    log.info("server %s is on this host: reading through %s", self.endpoint, msg.local["endpoint"])
-                    self.transport = msg.local["endpoint"]
-                    self._close_socket()
-                    self._open()
-        elif isinstance(msg, Error):
-            if msg.code == ErrorCode.NO_SESSION:
-                # The server restarted, or dropped us: ask again from where we are.
-                if not self._awaiting_welcome:
-                    self._connected = False
-                    self._say_hello()
-            elif msg.fatal:
-                self._fail(RemoteError(msg.code, msg.message, peer=self.endpoint))
-            else:
-                if msg.code == ErrorCode.DATA_LOSS:
-                    self.data_losses.append(msg.message)
-                log.warning("server %s: %s [%s]", self.endpoint, msg.message, msg.code)
-        elif isinstance(msg, Bye):
-            log.warning("server %s said bye: %s", self.endpoint, msg.reason)
-            self._bye_reason = msg.reason or "bye"
-            self._bye_pending = True
-            self._connected = False
-        # Heartbeat: hearing it is all it is for.

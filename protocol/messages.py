@@ -276,9 +276,25 @@ class EndOfEpoch:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """Either way: I am alive (sent only by a side that has been idle for an interval)."""
+    """Either way: I am alive (sent only by a side that has been idle for an interval).
+
+    A server's heartbeat also says how far it got: ``sent`` batches and ends of epoch on stream
+    ``stream`` so far. Messages of one connection arrive in order, so a client that has received
+    fewer of that stream lost some in transit (a connection reset, which libzmq reconnects
+    silently) and asks again from its position, instead of waiting for batches that never come.
+    Both are None from a client (and from servers that do not count).
+    """
 
     TYPE: ClassVar[str] = "heartbeat"
+    stream: int | None = None
+    sent: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.stream is None) != (self.sent is None):
+            raise ValueError("Heartbeat.stream and Heartbeat.sent come together")
+        if self.stream is not None:
+            _check_int("Heartbeat", "stream", self.stream)
+            _check_int("Heartbeat", "sent", self.sent)
 
 
 @dataclass(frozen=True)

@@ -333,6 +333,8 @@ class Server(Listener):
         for kind, frames in session.take_sendable():
             if not self._send(session.routing_id, frames):
                 return
+            if kind in ("batch", "end"):
+                session.sent_items += 1  # (heartbeats tell the client, which counts what arrived)
             if kind == "batch":
                 self.stats["batches"] += 1
                 self.stats["bytes"] += sum(memoryview(f).nbytes for f in frames[1:])
@@ -352,7 +354,8 @@ class Server(Listener):
             elif now - session.last_sent >= self.heartbeat:
                 # A heartbeat that finds the peer's queue full is not sent, and costs nothing:
                 # the peer has plenty to read, and its own silence, not ours, decides its fate.
-                self._send(session.routing_id, encode(Heartbeat()), drop_if_full=False)
+                beat = Heartbeat(stream=session.hello.stream, sent=session.sent_items)
+                self._send(session.routing_id, encode(beat), drop_if_full=False)
 
     def _drop(self, session: Session, why: str, level: int = logging.WARNING) -> None:
         if self.sessions.get(session.routing_id) is session:

@@ -73,6 +73,7 @@ class Session:
         self.client_heartbeat = min(hello.heartbeat, max_heartbeat)
         self.created = self.last_heard = self.last_sent = time.monotonic()
         self.sent_batches = 0
+        self.sent_items = 0  # batches and ends of epoch the loop has sent (see Heartbeat.sent)
         # Credit returned for batches this session did not send (see grant).
         self._returned_unsent = 0
         self._unsent_allowed = max(hwm, hello.credit)

@@ -11,7 +11,7 @@ a replay meets the same progress), after a random wait that is part of the sched
 * ``pause``: SIGSTOP, and SIGCONT well within the clients' timeout;
 * ``cut`` / ``delay`` / ``stall``: the proxy resets every connection, holds every chunk a while,
   or forwards nothing for a while;
-* ``silent-peers``: raw DEALERs that send a Hello (heartbeat 30 s) and nothing more;
+* ``silent-peers``: raw DEALERs that send a Hello (credit 0, heartbeat 3600 s) and nothing more;
 * ``hostile-peers``: DEALERs that lie about credit (``Credit(2**30)`` again and again) and send garbage;
 * ``resume`` / ``resume-resized`` / ``resume-epoch-end``: every rank stops after the same batch,
   as a torchrun job would, saves its ``state_dict`` and closes; new readers go on from there, on
@@ -429,7 +429,10 @@ class Run:
                     socks.append(self.ctx.socket(zmq.DEALER))
                     socks[-1].setsockopt(zmq.LINGER, 0)
                     socks[-1].connect(f"tcp://127.0.0.1:{self.port}")
-                    socks[-1].send_multipart(encode(Hello(f"{f.kind}-{i}", credit=self.o.hwm, heartbeat=30.0)))
+                    # Silent peers grant no credit and claim an hour's heartbeat: they must cost the
+                    # server no thread and lock nobody out. Hostile ones grant credit, then lie.
+                    credit, beat = (0, 3600.0) if f.kind == "silent-peers" else (self.o.hwm, 30.0)
+                    socks[-1].send_multipart(encode(Hello(f"{f.kind}-{i}", credit=credit, heartbeat=beat)))
                     for _ in range(20 if f.kind == "hostile-peers" else 0):
                         socks[-1].send_multipart(encode(Credit(2**30)))
                         socks[-1].send_multipart([rng.randbytes(rng.randint(1, 400)) for _ in range(rng.randint(1, 3))])
