@@ -238,7 +238,9 @@ class HandshakeWatch:
             times = "once" if self.failures == 1 else f"{self.failures} times"
             what = f"the handshake failed {times} (last: {self.last_failure})"
         elif self._state == "connected":
-            what = "connected, but no handshake completed"
+            # Also what a proxy or load balancer whose server is down looks like: it accepts the
+            # TCP connection and closes it without a word.
+            what = "connected, but no handshake completed (what accepts the connection may not be a running fuelline server)"
         elif self._state == "none" and not self._available and self.curve is not None:
             return "if it uses CURVE: is this client's key authorized there, and server.key its public key?"
         else:
@@ -248,7 +250,7 @@ class HandshakeWatch:
                 f"{what}: the server may not use CURVE, its public key may not be this client's "
                 "server.key, or this client's CURVE key may not be authorized there"
             )
-        return f"{what}: the server may require CURVE authentication (connect with curve_keys=DIR)"
+        return f"{what}; or the server may require CURVE authentication (connect with curve_keys=DIR)"
 
 
 def _describe(kind: int, value: int) -> str:

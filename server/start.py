@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 from fuelline.server.admission import DEFAULT_MAX_CLIENTS
-from fuelline.server.fuel_source import FuelStreamSource
+from fuelline.server.fuel_source import DEFAULT_BUFFER_MB, FuelStreamSource
 from fuelline.server.keys import CurveConfig
 from fuelline.server.serving import Server
 
@@ -43,6 +43,7 @@ def start_server(
     memory_cache: int = 10,
     insecure: bool = False,
     max_clients: int = DEFAULT_MAX_CLIENTS,
+    buffer_mb: int = DEFAULT_BUFFER_MB,
 ) -> None:
     """Serve a data stream to ``ServerDataStream`` clients until SIGTERM/SIGINT, as Fuel did.
 
@@ -66,8 +67,12 @@ def start_server(
             anyone who reaches the port would read the data).
         max_clients: most client sessions at once; a Hello beyond is refused as busy
             (``fuelline.server.admission``).
+        buffer_mb: a Fuel stream is read once per epoch and its batches shared by every rank
+            and reconnect, kept within this many MB (``fuelline.server.fuel_source``); a rank that
+            falls further behind reads the stream again on its own, which a stream that shuffles
+            differently on every call refuses with an error naming this option.
     """
-    source = data_stream if hasattr(data_stream, "iter_batches") else FuelStreamSource(data_stream)
+    source = data_stream if hasattr(data_stream, "iter_batches") else FuelStreamSource(data_stream, buffer_mb)
     curve = CurveConfig.from_dir(curve_keys) if curve_keys is not None else None
     server = Server(source, host=host, port=port, hwm=hwm, heartbeat=heartbeat, checksum=checksum, curve=curve,
                     memory_cache=memory_cache, insecure=insecure, max_clients=max_clients)
