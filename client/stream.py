@@ -9,13 +9,13 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import zmq
 
+from fuelline.client.checkpoint import STATE_FORMAT as STATE_FORMAT  # (re-exported: it was defined here)
+from fuelline.client.checkpoint import position_state, resume_from
 from fuelline.client.connection import Connection, Item
 from fuelline.client.curve import CurveKeys
 from fuelline.protocol import DEFAULT_LIMITS, DataError, FingerprintMismatch, Hello, Limits, ProtocolError, ReceiveTimeout
 
 __all__ = ["ServerDataStream"]
-
-STATE_FORMAT = 1
 
 
 def _tcp_endpoint(text: str) -> str:
@@ -226,18 +226,11 @@ class ServerDataStream:
         """The position: the next batch this reader has not yet handed out, and the sequence
         fingerprint of the batches read (None before any server was heard from)."""
         held = [conn.fingerprint for conn in self._conns if conn.fingerprint is not None]
-        fingerprint = held[0] if held else self._saved_fingerprint
-        return {
-            "format": STATE_FORMAT,
-            "epoch": self._epoch,
-            "cursor": self._cursor,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "servers": len(self.endpoints),
-            "split": self.split,
-            "history": [list(h) for h in self._history],
-            "fingerprint": None if fingerprint is None else dict(fingerprint),
-        }
+        return position_state(
+            epoch=self._epoch, cursor=self._cursor, rank=self.rank, world_size=self.world_size,
+            servers=len(self.endpoints), split=self.split, history=self._history,
+            fingerprint=held[0] if held else self._saved_fingerprint,
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from a ``state_dict()``: the next epoch iterator resumes at its position.
@@ -252,29 +245,13 @@ class ServerDataStream:
         Raises:
             FingerprintMismatch: a server this stream already reads from serves another sequence.
         """
-        if state.get("format") != STATE_FORMAT:
-            raise ValueError(f"state format {state.get('format')!r} is not {STATE_FORMAT}")
-        if state["split"] != self.split:
-            raise ValueError(f"state was saved with split={state['split']!r}, this stream has {self.split!r}")
-        epoch, cursor = state["epoch"], state["cursor"]
-        if type(epoch) is not int or type(cursor) is not int or epoch < 0 or cursor < 0:
-            raise ValueError(f"state has an invalid position epoch={epoch!r} cursor={cursor!r}")
-        history = tuple(tuple(int(x) for x in h) for h in state.get("history", ()))
-        servers = int(state.get("servers", 1))
-        if state["world_size"] != self.world_size or servers != len(self.endpoints):
-            # The segment just run, as its servers saw it: each of the ``servers`` ranks per reader
-            # took cursor // servers batches, the first cursor % servers of them one more.
-            world = int(state["world_size"]) * servers
-            segment = (world, cursor // servers) if servers == 1 else (world, cursor // servers, servers, cursor % servers)
-            history, cursor = history + (segment,), 0
-        elif state["rank"] != self.rank:
-            raise ValueError(f"state was saved by rank {state['rank']}, this stream is rank {self.rank}")
-        fingerprint = _state_fingerprint(state)
-        if fingerprint is not None:
+        at = resume_from(state, split=self.split, rank=self.rank, world_size=self.world_size,
+                         servers=len(self.endpoints))
+        if at.fingerprint is not None:
             for conn in self._conns:
-                conn.hold_to(fingerprint, "in the saved position")
-            self._saved_fingerprint = fingerprint
-        self._epoch, self._cursor, self._history, self._active = epoch, cursor, history, None
+                conn.hold_to(at.fingerprint, "in the saved position")
+            self._saved_fingerprint = at.fingerprint
+        self._epoch, self._cursor, self._history, self._active = at.epoch, at.cursor, at.history, None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -409,12 +386,3 @@ class ServerDataStream:
             conn.credit(item.stream)
             yield self._convert(item.arrays, as_dict)
 
-
-def _state_fingerprint(state: Mapping[str, Any]) -> dict[str, str] | None:
-    fingerprint = state.get("fingerprint")
-    if fingerprint is None:
-        return None
-    if not isinstance(fingerprint, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
-                                                       for k, v in fingerprint.items()):
-        raise ValueError(f"state has an invalid fingerprint {fingerprint!r:.200}; expected a map of strings")
-    return dict(fingerprint)
