@@ -30,17 +30,33 @@ from fuelline.server import handoff
 __all__ = ["worker_main"]
 
 
+def _clean_up_after(paths: list, folder: str | None) -> None:
+    """The serving process is gone: remove the hand-off files nobody will read, and the pool's
+    folder once its lock died with the server."""
+    for path in paths:
+        handoff.unlink(path)
+    if folder is not None:
+        handoff.remove_if_dead(folder)
+
+
 def _watch_parent(parent_pid: int, paths: list, folder: str | None) -> None:
-    """Exit when the serving process is gone, even in the middle of a long task; remove the
-    hand-off files nobody will read, and the pool's folder once its lock died with the server."""
+    """Exit when the serving process is gone, even in the middle of a long task."""
     while True:
         time.sleep(1.0)
         if os.getppid() != parent_pid:
-            for path in paths:
-                handoff.unlink(path)
-            if folder is not None:
-                handoff.remove_if_dead(folder)
+            _clean_up_after(paths, folder)
             os._exit(0)
+
+
+def _parent_gone(parent_pid: int, within: float = 2.0) -> bool:
+    """Whether the serving process exited, waiting a little: its pipe reads EOF while the kernel
+    is still closing its other files, the pool's lock among them, and it is reparented only after."""
+    deadline = time.monotonic() + within
+    while os.getppid() == parent_pid:
+        if time.monotonic() > deadline:
+            return False  # alive: its pipe broke some other way, and it removes the folder itself
+        time.sleep(0.02)
+    return True
 
 
 def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, log_level: int,
@@ -62,13 +78,16 @@ def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, l
     seen = Counter(source.counters)
     conn.send(("ready",))
     while True:
+        eof = False
         try:
             message = conn.recv()
         except (EOFError, OSError):
-            message = None
+            message, eof = None, True  # (None alone: the pool asks us to exit)
         handoff.unlink(paths[1])  # consumed by now, or never will be
         paths[1] = None
         if message is None:
+            if eof and _parent_gone(parent_pid):
+                _clean_up_after(paths, folder)
             return
         task_id, split, u, columns, path = message
         paths[0] = path
