@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from fuelline.server.sample import write_sample_dataset
+from fuelline.server.workers import WorkerPool
 
 READY = re.compile(r"serving on (tcp://\S+):(\d+)")
 START_DEADLINE = 30.0
@@ -184,3 +185,19 @@ def zmq_context() -> Iterator[zmq.Context]:
     ctx = zmq.Context()
     yield ctx
     ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def pools():
+    """Worker pools a test starts; all are closed at teardown."""
+    started: list[WorkerPool] = []
+    yield started
+    for pool in started:
+        pool.close()
+
+
+def start_pool(pools: list, source, workers: int, **options) -> WorkerPool:
+    pool = WorkerPool(source, workers, **options)
+    pools.append(pool)
+    pool.start()
+    return pool

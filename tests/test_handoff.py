@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ServerProcess
+from conftest import ServerProcess, start_pool
 from worker_fakes import FakeUnits, FileSizeLimitedUnits
 
 from fuelline.client import ServerDataStream
@@ -21,21 +21,6 @@ from fuelline.server.workers import WorkerPool
 
 TIMEOUT = 60.0
 PIPED = "decoded units come through the worker processes' pipes instead"
-
-
-@pytest.fixture
-def pools():
-    started: list[WorkerPool] = []
-    yield started
-    for pool in started:
-        pool.close()
-
-
-def start_pool(pools: list, source, workers: int, **options) -> WorkerPool:
-    pool = WorkerPool(source, workers, **options)
-    pools.append(pool)
-    pool.start()
-    return pool
 
 
 def decodes_right(pool: WorkerPool, source: FakeUnits, units: int) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ServerProcess, wait_until
+from conftest import ServerProcess, start_pool, wait_until
 from worker_fakes import FakeUnits, UncopyableUnits
 
 from fuelline.client import ServerDataStream
@@ -46,22 +46,6 @@ def parquet_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("workers-parquet") / "sample"
     write_sample_dataset(str(out), rows=3000, dim=4, files=3, row_group_rows=150)
     return out
-
-
-@pytest.fixture
-def pools():
-    """Worker pools a test starts; all are closed at teardown."""
-    started: list[WorkerPool] = []
-    yield started
-    for pool in started:
-        pool.close()
-
-
-def start_pool(pools: list, source, workers: int, **options) -> WorkerPool:
-    pool = WorkerPool(source, workers, **options)
-    pools.append(pool)
-    pool.start()
-    return pool
 
 
 def handoff_folders(pid: int, directory: str | None = None) -> list[str]:
