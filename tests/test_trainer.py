@@ -28,35 +28,14 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "data"
 
 
-# On a loaded 2-core machine a rank has been seen to abort inside torch's C++ ("terminate called
-# without an active exception", SIGABRT), at start-up or after its last step; not reproduced in
-# isolation. A launch that keeps no state between runs (no checkpoints) is then run again once,
-# from scratch (its metrics and sample logs removed first), and so is one with checkpoints that
-# aborted before its first step (not a --resume). Any other failure fails the test.
-ABORT = "terminate called without an active exception"
-
-
-def _outputs(options: tuple[str, ...]) -> list[Path]:
-    """The files a launch appends to: --metrics-json and every rank's --sample-log."""
-    out = []
-    for flag in ("--metrics-json", "--sample-log"):
-        if flag in options:
-            path = Path(options[options.index(flag) + 1])
-            out += [path, *path.parent.glob(path.name + ".rank*")]
-    return out
+def torchrun_args(endpoint: str, *options: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            "-m", "fuelline.trainer", "--servers", endpoint, "--width", "8", *options]
 
 
 def torchrun(endpoint: str, *options: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "-m", "fuelline.trainer", "--servers", endpoint, "--width", "8", *options]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-    if result.returncode != 0 and ABORT in result.stderr and "--resume" not in options:
-        if "--checkpoint-dir" not in options:  # nothing kept between runs: start afresh
-            for path in _outputs(options):
-                path.unlink(missing_ok=True)
-            result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
-        elif "step" not in result.stdout:  # aborted before it trained, so before it wrote anything
-            result = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(torchrun_args(endpoint, *options, nproc=nproc), capture_output=True, text=True,
+                            timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
     return result
 

@@ -17,9 +17,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fuelline.client import ServerDataStream
 from fuelline.trainer import comm
-from fuelline.trainer.checkpoint import Checkpoints
+from fuelline.trainer.checkpoint import CheckpointError, Checkpoints
 from fuelline.trainer.cli import parse_args
 from fuelline.trainer.dynamic_batch import MicroBatcher
+from fuelline.trainer.lifecycle import shutdown
 from fuelline.trainer.losses import class_weights, l2_norm, make_weighting, modality_losses
 from fuelline.trainer.metrics import classification_report
 from fuelline.trainer.model import EmotionNet
@@ -334,8 +335,15 @@ class Trainer:
         return 0
 
     def close(self) -> None:
+        """Close the data streams (their sockets and threads); the process group stays up."""
         self.train.close()
         self.val.close()
+
+    def release(self) -> None:
+        """Drop everything that holds the process group (DDP's reducer and its comm hook, the
+        hook's state, the optimizer), so that destroying the group really frees it."""
+        for name in ("optimizer", "comm_state", "ddp"):
+            self.__dict__.pop(name, None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -344,10 +352,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_logging(args.log_level, args.log_format)
     rank, world, device = setup_distributed()
-    trainer = Trainer(args, rank, world, device)
+    trainer: Trainer | None = None
+    ok = False
+    # Errors are caught and logged here rather than raised through: a traceback still being
+    # handled keeps its frames, and with them the optimizer or DDP, alive past the teardown.
     try:
-        return trainer.run()
+        trainer = Trainer(args, rank, world, device)
+        code = trainer.run()
+        ok = True
+        return code
+    except CheckpointError as exc:
+        log.error("rank %d: %s", rank, exc)
+        return 1
+    except KeyboardInterrupt:
+        log.error("rank %d interrupted", rank)
+        return 130
+    except Exception:
+        log.exception("rank %d failed", rank)
+        return 1
     finally:
-        trainer.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(trainer, ok)

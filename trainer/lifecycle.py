@@ -1,0 +1,66 @@
+"""Ending a trainer process cleanly, whether it finished or one of its ranks failed.
+
+gloo and NCCL run threads of their own. If the process group is destroyed while DDP's reducer,
+its communication hook's state or the optimizer still hold it, the group outlives
+``destroy_process_group()`` and is torn down during the interpreter's finalisation instead, where
+a still-joinable C++ thread aborts the process ("terminate called without an active
+exception"). So the end is ordered: data streams closed, every rank past a barrier (so none tears
+down a connection a peer still uses), the holders of the group dropped and collected, and only
+then the group destroyed.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["BARRIER_TIMEOUT_S", "shutdown"]
+
+log = logging.getLogger("fuelline.trainer")
+
+# How long a rank that finished waits for its peers at the end. The ranks step in lockstep, so
+# healthy peers arrive within seconds; a peer that failed never does, and must not hold the others.
+BARRIER_TIMEOUT_S = 60.0
+
+
+def final_barrier(timeout_s: float = BARRIER_TIMEOUT_S) -> bool:
+    """Wait, at most ``timeout_s``, until every rank got here; False (logged) if some did not."""
+    try:
+        if dist.get_backend() == "gloo":
+            # Names the ranks that did not arrive, and gives up after the timeout.
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+        else:
+            # NCCL: bounded by the process group's own timeout.
+            dist.barrier()
+        return True
+    except RuntimeError as exc:
+        log.error("rank %d: not every rank reached the end (%s); tearing down without them", dist.get_rank(), exc)
+        return False
+
+
+def shutdown(trainer: Any | None, ok: bool, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """End the process's training: close ``trainer``'s streams, meet the other ranks (only if
+    this one finished: a failed rank leaves at once, and its peers stop waiting for it after
+    ``timeout_s``), drop what holds the process group, collect it, and destroy the group.
+
+    Args:
+        trainer: the :class:`~fuelline.trainer.train.Trainer`, or None if building it failed.
+        ok: whether this rank finished its work without an error.
+        timeout_s: the longest a finished rank waits for the others.
+    """
+    if trainer is not None:
+        try:
+            trainer.close()
+        except Exception:  # the teardown goes on: the process group must still go
+            log.exception("closing the data streams failed")
+    if dist.is_initialized() and ok:
+        final_barrier(timeout_s)
+    if trainer is not None:
+        trainer.release()
+    gc.collect()  # DDP and its hook's state sit in reference cycles: free them before the group
+    if dist.is_initialized():
+        dist.destroy_process_group()
