@@ -512,3 +512,60 @@ def test_onebit_adam_is_adam_before_freezing() -> None:
     restored = OneBitAdam(nn.Linear(32, 1).parameters(), freeze_step=10, state=state)
     restored.load_state_dict(opt.state_dict())
     assert restored.steps == 20 and state.local_gradients  # past freeze_step: the hook stays local
+
+
+# -- error buffers keyed by parameter names -------------------------------------------------------
+def _named_state() -> tuple[OneBitState, nn.Module]:
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))  # 0.weight 6, 0.bias 2, 1.weight 4, 1.bias 2
+    state = OneBitState(warmup_iters=2)
+    state.name_parameters(model)
+    return state, model
+
+
+def test_a_bucket_has_one_key_and_layout_whatever_order_ddp_gives_its_parameters() -> None:
+    from fuelline.trainer.onebit_layout import bucket_layout
+
+    state, model = _named_state()
+    params = list(model.parameters())
+    forward = bucket_layout(params, state.places)
+    backward = bucket_layout(params[::-1], state.places)
+    assert forward is not None and backward is not None
+    assert forward[0] == backward[0] == ("0.weight", "0.bias", "1.weight", "1.bias")
+    flat = torch.cat([p.detach().reshape(-1) for p in params[::-1]])  # the bucket as DDP laid it out
+    canonical = torch.cat([p.detach().reshape(-1) for p in params])
+    assert torch.equal(flat[backward[2]], canonical)
+    assert bucket_layout([nn.Parameter(torch.zeros(2))], state.places) is None  # unnamed: keyed by index
+
+
+def test_error_buffers_saved_per_parameter_land_where_a_rebuilt_bucket_puts_them() -> None:
+    from fuelline.trainer.checkpoint import plain
+
+    state, _ = _named_state()
+    key = ("0.weight", "0.bias", "1.weight", "1.bias")
+    state.layouts[key] = (("0.weight", 6), ("0.bias", 2), ("1.weight", 4), ("1.bias", 2))
+    state.worker_errors[key] = torch.arange(14, dtype=torch.float32)
+    state.server_errors[key] = torch.arange(100, 108, dtype=torch.float32)  # rank 0 owns positions 0..7
+    state.iter = 7
+    saved = plain(state.state_dict())
+    assert plain(saved) is saved  # plain data only: a weights_only checkpoint holds it
+
+    # The same world size, the parameters now in two buckets: each gets its own part back.
+    fresh, _ = _named_state()
+    fresh.load_state_dict(saved)
+    assert fresh.iter == 7 and fresh.bytes_sent == 0
+    first, second = ("0.weight", "0.bias"), ("1.weight", "1.bias")
+    fresh.layouts[first] = (("0.weight", 6), ("0.bias", 2))
+    fresh.layouts[second] = (("1.weight", 4), ("1.bias", 2))
+    assert fresh.error_buffer(fresh.worker_errors, second, torch.zeros(6)).tolist() == list(range(8, 14))
+    assert fresh.error_buffer(fresh.worker_errors, first, torch.zeros(8)).tolist() == list(range(8))
+    # Rank 0's server chunk of the second bucket (4 elements from position 0): 1.weight's part was
+    # never this rank's to own, so it starts from zero.
+    assert fresh.error_buffer(fresh.server_errors, second, torch.zeros(4)).tolist() == [0.0] * 4
+    assert fresh.error_buffer(fresh.server_errors, first, torch.zeros(4)).tolist() == [100.0, 101.0, 102.0, 103.0]
+
+    # Another world size: the warm-up stays done, the per-rank buffers do not apply.
+    other, _ = _named_state()
+    other.load_state_dict(saved, buffers=False)
+    assert other.iter == 7
+    other.layouts[key] = state.layouts[key]
+    assert not other.error_buffer(other.worker_errors, key, torch.zeros(14)).any()

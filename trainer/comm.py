@@ -71,6 +71,7 @@ def register(ddp: torch.nn.parallel.DistributedDataParallel, compression: str, w
         from fuelline.trainer.onebit import OneBitState, onebit_hook
 
         state = OneBitState(warmup_iters=warmup_iters)
+        state.name_parameters(ddp.module)  # error buffers that outlive bucket rebuilds and resumes
         ddp.register_comm_hook(state, onebit_hook)
     else:
         raise ValueError(f"--compression must be none, fp16 or onebit, got {compression!r}")

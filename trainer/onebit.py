@@ -53,6 +53,7 @@ from fuelline.trainer.bitpack import (
     pack_signs,
     unpack_signs,
 )
+from fuelline.trainer.onebit_layout import Layout, NamedErrors
 
 __all__ = [
     "OneBitState",
@@ -75,7 +76,7 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class OneBitState:
+class OneBitState(NamedErrors):
     r"""Hyperparameters and internal state of :func:`onebit_hook`, shared by all buckets.
 
     ``warmup_iters`` and ``block_size`` are the knobs a user tunes; keep ``error_feedback`` on.
@@ -112,6 +113,10 @@ class OneBitState:
         "worker_errors",
         "server_errors",
         "local_gradients",
+        "places",
+        "layouts",
+        "orders",
+        "restored",
         # The fields below record communication statistics.
         "bytes_sent",
         "elements",
@@ -135,13 +140,22 @@ class OneBitState:
         self.block_size = block_size
         self.error_feedback = error_feedback
         self.iter = 0
-        # Keyed by bucket index (or a caller's key); a buffer whose size no longer matches is
-        # replaced by zeros, never reused for a different tensor.
+        # Keyed by the names of a bucket's parameters (see name_parameters and the design note
+        # in fuelline.trainer.onebit_layout), by bucket index without names, or by a caller's
+        # key; a buffer whose size no longer matches is replaced by zeros, never reused for a
+        # different tensor.
         self.worker_errors: dict[Hashable, torch.Tensor] = {}
         self.server_errors: dict[Hashable, torch.Tensor] = {}
         # Set by OneBitAdam once its variance is frozen: onebit_adam_hook then leaves gradients
         # local, because the optimizer exchanges the compressed momentum instead.
         self.local_gradients = False
+        # id(parameter) -> (place in the module, name); empty: buckets are keyed by index.
+        self.places: dict[int, tuple[int, str]] = {}
+        # Per named key, its canonical layout; per DDP bucket order, its key and gather order.
+        self.layouts: dict[Hashable, Layout] = {}
+        self.orders: dict[tuple[int, ...], tuple[Hashable, torch.Tensor]] = {}
+        # Error buffers from a checkpoint, put in place as the buckets they belong to come by.
+        self.restored: dict[str, dict[str, Any]] = {}
         self.bytes_sent = 0
         self.elements = 0
 
@@ -154,24 +168,6 @@ class OneBitState:
         self.process_group = None
         for slot, value in state.items():
             setattr(self, slot, value)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The counters, for a checkpoint.
-
-        Neither the error buffers nor the iteration count are saved: a resumed run builds a new
-        DDP, which rebuilds its buckets after its first iteration again, so bucket-keyed buffers
-        could land on the wrong parameters. A restored state warms up again instead; the
-        error feedback restarts from zero, which costs accuracy only for a few steps.
-        """
-        return {"bytes_sent": self.bytes_sent, "elements": self.elements}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the counters; warm up again with fresh error buffers (see :meth:`state_dict`)."""
-        self.bytes_sent = int(state_dict["bytes_sent"])
-        self.elements = int(state_dict["elements"])
-        self.iter = 0
-        self.worker_errors.clear()
-        self.server_errors.clear()
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -189,13 +185,17 @@ class OneBitState:
                 logger.info("1-bit compression starts after %s iterations", self.iter)
 
     def error_buffer(
-        self, errors: dict[Hashable, torch.Tensor], key: Hashable, like: torch.Tensor
+        self, errors: dict[Hashable, torch.Tensor], key: Hashable, like: torch.Tensor, start: int = 0
     ) -> torch.Tensor:
-        """The error buffer for ``key``, zeros if it is new or was made for another size."""
+        """The error buffer for ``key``, zeros if it is new or was made for another size; a new
+        one takes what a restored checkpoint holds for it (``start``: the canonical position of
+        its first element)."""
         buffer = errors.get(key)
         if buffer is None or buffer.shape != like.shape or buffer.device != like.device:
             buffer = torch.zeros_like(like, dtype=torch.float32)
             errors[key] = buffer
+            if self.restored:
+                self._restore(errors, key, buffer, start)
         return buffer
 
     def reset_stats(self) -> None:
@@ -243,7 +243,7 @@ def fp32_allreduce(state: OneBitState, tensor: torch.Tensor) -> torch.futures.Fu
 
 
 def onebit_allreduce(
-    state: OneBitState, tensor: torch.Tensor, key: Hashable
+    state: OneBitState, tensor: torch.Tensor, key: Hashable, order: torch.Tensor | None = None
 ) -> torch.futures.Future[torch.Tensor]:
     """Average ``tensor`` in place over the group with the two-phase 1-bit exchange.
 
@@ -253,6 +253,8 @@ def onebit_allreduce(
         state: hyperparameters, error buffers and byte counters.
         tensor: the local values; overwritten with the (compressed) average.
         key: names the error-feedback buffers of this tensor across calls (a bucket index, say).
+        order: if given, the elements are exchanged in the order ``tensor.view(-1)[order]`` and
+            written back in place (a bucket's canonical layout, see :meth:`OneBitState.bucket_key`).
 
     Returns:
         A future that completes with ``tensor`` once it holds the average.
@@ -271,7 +273,7 @@ def onebit_allreduce(
     device = tensor.device
 
     corrected = torch.zeros(world_size * chunk_len, dtype=torch.float32, device=device)
-    corrected[:n] = tensor.reshape(-1)
+    corrected[:n] = tensor.reshape(-1) if order is None else tensor.reshape(-1)[order]
     if state.error_feedback:
         corrected[:n] += state.error_buffer(state.worker_errors, key, corrected[:n])
     lengths = (n - torch.arange(world_size, device=device) * chunk_len).clamp(0, chunk_len)
@@ -303,7 +305,7 @@ def onebit_allreduce(
     # Padding decodes to ±scale; zero it so it neither enters the scales nor the server error.
     average[own_len:] = 0
     if state.error_feedback:
-        average += state.error_buffer(state.server_errors, key, average)
+        average += state.error_buffer(state.server_errors, key, average, start=rank * chunk_len)
     own_counts = counts[rank : rank + 1]
     own_packed, own_scales = compress_rows(average.view(1, chunk_len), block_size, own_counts)
     if state.error_feedback:
@@ -326,7 +328,10 @@ def onebit_allreduce(
             chunk_len,
             block_size,
         )
-        tensor.copy_(result.view(-1)[:n].view_as(tensor))
+        if order is None:
+            tensor.copy_(result.view(-1)[:n].view_as(tensor))
+        else:
+            tensor.view(-1).index_copy_(0, order, result.view(-1)[:n])
         return tensor
 
     return fut.then(decode)
@@ -337,7 +342,9 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
 
     The first ``state.warmup_iters`` iterations use a plain fp32 all-reduce; after that each
     bucket goes through :func:`onebit_allreduce`, keyed by its index, and is written back into
-    the bucket's buffer (which may be a view of the gradients).
+    the bucket's buffer (which may be a view of the gradients). With parameter names
+    (:meth:`OneBitState.name_parameters`) it is exchanged in its canonical layout and keyed by
+    those names instead.
 
     Example::
         >>> state = OneBitState(process_group=None, warmup_iters=10)
@@ -347,6 +354,7 @@ def onebit_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Fu
     if state.iter < state.warmup_iters:
         state.maybe_increase_iter(bucket)
         return fp32_allreduce(state, buffer)
-    fut = onebit_allreduce(state, buffer, key=bucket.index())
+    key, order = state.bucket_key(bucket)
+    fut = onebit_allreduce(state, buffer, key=key, order=order)
     state.maybe_increase_iter(bucket)
     return fut

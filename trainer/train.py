@@ -131,9 +131,9 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if state["resized"]:
             log.warning("resuming a run of another world size: the rest of the interrupted epoch is shared out "
-                        "afresh; compression error-feedback buffers start empty")
-        elif state["comm"] is not None:
-            self.comm_state.load_state_dict(state["comm"])
+                        "afresh; compression error-feedback buffers (per rank) start empty, a warm-up done stays done")
+        if state["comm"] is not None and hasattr(self.comm_state, "load_state_dict"):
+            self.comm_state.load_state_dict(state["comm"], buffers=not state["resized"])
         if self.weighting and state["weighting"]:
             self.weighting.load_state_dict(state["weighting"])
         self.alphas = state["alphas"]
