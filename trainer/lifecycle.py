@@ -1,10 +1,10 @@
 """Ending a trainer process cleanly, whether it finished or one of its ranks failed.
 
-gloo and NCCL run threads of their own. If the process group is destroyed while DDP's reducer,
-its communication hook's state or the optimizer still hold it, the group outlives
-``destroy_process_group()`` and is torn down during the interpreter's finalisation instead, where
-a still-joinable C++ thread aborts the process ("terminate called without an active
-exception"). So the end is ordered: data streams closed, every rank past a barrier (so none tears
+gloo and NCCL run threads of their own, which may still hold finished work and its tensors. If
+the process group is destroyed while DDP's reducer, its communication hook's state or the
+optimizer still hold it, the group outlives ``destroy_process_group()`` and is torn down during
+the interpreter's finalisation instead, where freeing those tensors (or a still-joinable C++
+thread) aborts the process ("terminate called without an active exception"). So the end is ordered: data streams closed, every rank past a barrier (so none tears
 down a connection a peer still uses), the holders of the group dropped and collected, and only
 then the group destroyed.
 """
@@ -49,7 +49,8 @@ def shutdown(trainer: Any | None, ok: bool, timeout_s: float = BARRIER_TIMEOUT_S
 
     Args:
         trainer: the :class:`~fuelline.trainer.train.Trainer`, or None if building it failed.
-        ok: whether this rank finished its work without an error.
+        ok: whether this rank finished its work without an error. A failed NCCL rank leaves
+            its group to the process's exit: destroying it can block while peers are mid-collective.
         timeout_s: the longest a finished rank waits for the others.
     """
     if trainer is not None:
@@ -62,5 +63,7 @@ def shutdown(trainer: Any | None, ok: bool, timeout_s: float = BARRIER_TIMEOUT_S
     if trainer is not None:
         trainer.release()
     gc.collect()  # DDP and its hook's state sit in reference cycles: free them before the group
-    if dist.is_initialized():
+    # A failed NCCL rank leaves its group alone: destroying it can block while the peers are
+    # still inside a collective. A gloo peer just sees the connection close and fails too.
+    if dist.is_initialized() and (ok or dist.get_backend() == "gloo"):
         dist.destroy_process_group()
