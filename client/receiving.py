@@ -191,7 +191,7 @@ class Receiving:
                 if msg.local is not None and self.transport == self.endpoint and self._shares_host(msg.local):
                     # The same session again over the Unix socket: the Hello there replaces this
                     # one, and batches sent meanwhile over TCP come again (from the server's memory).
-                    log.info("server %s is on this host: reading through %s", self.endpoint, msg.local["endpoint"])
+                    log.debug("server %s is on this host: reading through %s", self.endpoint, msg.local["endpoint"])
                     self.transport = msg.local["endpoint"]
                     self._close_socket()
                     self._open()

@@ -37,7 +37,7 @@ def test_two_servers_and_two_ranks_train_and_everything_stops(tmp_path: Path) ->
     out = subprocess.run(["bash", str(ROOT / "deploy/local/launch.sh"), *SMALL, "--epochs", "2",
                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=360)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert len(re.findall(r"^epoch \d: train loss", out.stdout, re.M)) == 2
+    assert len(re.findall(r"^epoch \d/2  loss \d+\.\d+  val acc ", out.stdout, re.M)) == 2
     assert re.search(r"^data servers: 127\.0\.0\.1:\d+, 127\.0\.0\.1:\d+$", out.stdout, re.M)
     assert "stopped: server 0 (exit 0), server 1 (exit 0), trainer (exit 0)" in out.stdout
     assert len(groups(out.stdout)) == 3 and all(gone(g) for g in groups(out.stdout))
@@ -62,7 +62,7 @@ def test_ctrl_c_mid_training_leaves_no_process_behind(tmp_path: Path) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:  # ends at the latest when the launcher exits (and the timeout marks fail it)
             seen.append(line)
-            if line.startswith("epoch 0:"):  # the ranks are training
+            if line.startswith("epoch 1/"):  # the ranks are training
                 break
         proc.send_signal(signal.SIGINT)
         rest, err = proc.communicate(timeout=120)

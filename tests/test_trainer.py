@@ -59,8 +59,7 @@ def test_two_ranks_train_evaluate_and_report_each_epoch(dataset: Path, start_ser
         assert len(set(ids)) == windows and len(ids) - windows < 2 * 2 * 16  # every window; padding only
     records = lines(metrics)
     assert [r["epoch"] for r in records] == [0, 1]
-    stdout = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
-    assert stdout == records  # the same lines on stdout
+    assert len(re.findall(r"^epoch [12]/2  loss ", result.stdout, re.M)) == 2  # a line for people each epoch
     for r in records:
         for key in ("train_loss", "val_accuracy", "val_macro_f1", "val_recall", "samples_per_s", "data_wait_s",
                     "step_time_s", "grad_bytes_per_element"):

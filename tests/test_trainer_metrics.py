@@ -145,7 +145,35 @@ def test_progress_logs_every_tenth_of_the_epoch(caplog: pytest.LogCaptureFixture
     assert records[-1].steps == 50 and records[-1].data_wait_share == 0.25
 
 
-def test_progress_logs_every_interval_when_the_epoch_is_long_or_of_unknown_length(caplog: pytest.LogCaptureFixture) -> None:
+def test_progress_records_come_at_even_steps_whatever_the_epoch_length_or_step_time(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fuelline.trainer")
+    clock = Clock()
+    p = EpochProgress(0, 25, clock=clock)
+    for step in range(1, 26):
+        clock.now += 10.0  # slow steps: a time rule mixed in would add records between the marks
+        p.update(step, 0.5, 0.1)
+    steps = [r.step for r in progress_records(caplog)]
+    assert steps == [3, 6, 9, 12, 15, 18, 21, 24, 25]  # every ceil(25 / 10) steps, and the last
+    caplog.clear()
+    resumed = EpochProgress(0, 25, initial=10, clock=clock)  # the same marks after a resume
+    for step in range(11, 26):
+        resumed.update(step, 0.5, 0.1)
+    assert [r.step for r in progress_records(caplog)] == [12, 15, 18, 21, 24, 25]
+
+
+def test_progress_without_a_length_logs_on_a_fixed_time_grid(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="fuelline.trainer")
+    clock = Clock()
+    p = EpochProgress(0, None, interval_s=10.0, clock=clock)
+    for step, dt in enumerate([4.0, 4.0, 4.0, 4.0, 4.0, 25.0, 1.0, 4.0], start=1):
+        clock.now += dt  # at 4, 8, 12, 16, 20, 45, 46, 50 s
+        p.update(step, 0.5, None)
+    # Marks at 10, 20, 30, 40, 50 s: the slow step passes three at once and logs once.
+    assert [r.step for r in progress_records(caplog)] == [3, 5, 6, 8]
+
+
+def test_progress_logs_every_interval_when_the_epoch_is_of_unknown_length(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="fuelline.trainer")
     clock = Clock()
     p = EpochProgress(0, None, clock=clock)

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
     p.add_argument("--max-steps", type=int, default=0, help="stop (after a checkpoint) once this run made N steps")
     p.add_argument("--metrics-json", default=None, help="append one JSON line per epoch here")
+    p.add_argument("--json-stdout", action="store_true",
+                   help="print each epoch's JSON line on stdout instead of the one-line summary (which goes to "
+                        "stderr then)")
     p.add_argument("--sample-log", default=None, help="per rank, append each step's sample_ids to FILE.rankR")
     p.add_argument("--hwm", type=int, default=10, help="batches each rank prefetches from its data servers")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds to keep trying a silent data server")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from typing import Any, Sequence
 
@@ -22,7 +23,7 @@ from fuelline.trainer.cli import parse_args
 from fuelline.trainer.dynamic_batch import MicroBatcher
 from fuelline.trainer.lifecycle import shutdown
 from fuelline.trainer.losses import class_weights, l2_norm, make_weighting, modality_losses
-from fuelline.trainer.metrics import classification_report
+from fuelline.trainer.metrics import classification_report, epoch_summary, wire_compression
 from fuelline.trainer.model import EmotionNet
 from fuelline.trainer.progress import EpochProgress, use_bar
 from fuelline.trainer.timing import GpuSampler, StepTimes, gpu_report, wait_share
@@ -146,7 +147,8 @@ class Trainer:
             _truncate_jsonl(self.args.metrics_json, lambda r: r["epoch"] < epoch)
         if self.args.sample_log:
             _truncate_jsonl(f"{self.args.sample_log}.rank{self.rank}", lambda r: r["step"] <= self.step)
-        log.info("rank %d resumed at step %d, epoch %d batch %d", self.rank, self.step, epoch, state["stream"]["cursor"])
+        log.log(logging.INFO if self.rank == 0 else logging.DEBUG, "rank %d resumed at step %d, epoch %d batch %d",
+                self.rank, self.step, epoch, state["stream"]["cursor"])
 
     def checkpoint(self) -> None:
         if self.ckpt is not None:
@@ -312,7 +314,8 @@ class Trainer:
                 break
             stats = self.train_epoch()
             if stats is None:
-                log.info("rank %d stopped after %d steps (--max-steps)", self.rank, args.max_steps)
+                log.log(logging.INFO if self.rank == 0 else logging.DEBUG, "rank %d stopped after %d steps (--max-steps)",
+                        self.rank, args.max_steps)
                 return 0
             report = self.evaluate()
             losses = self._average(stats.pop("per_modality_loss"))
@@ -322,16 +325,22 @@ class Trainer:
             line = {
                 "epoch": epoch, **stats, "val_accuracy": report["accuracy"], "val_macro_f1": report["macro_f1"],
                 "val_recall": report["recall"], "val_windows": report["windows"], "modality_loss": losses,
-                "alphas": self.alphas, "compression": args.compression, "optimizer": args.optimizer,
-                "world_size": self.world, "step": self.step,
+                "alphas": self.alphas, **wire_compression(args.optimizer, args.compression, self.comm_state),
+                "optimizer": args.optimizer, "world_size": self.world, "step": self.step,
             }
             self.checkpoint()
             if self.rank == 0:
                 text = json.dumps(line)
-                print(text, flush=True)
                 if args.metrics_json:
                     with open(args.metrics_json, "a") as f:
                         f.write(text + "\n")
+                # stdout is for people unless asked for JSON; the summary then still reaches them on stderr.
+                summary = epoch_summary(line, args.epochs)
+                if args.json_stdout:
+                    print(text, flush=True)
+                    print(summary, file=sys.stderr, flush=True)
+                else:
+                    print(summary, flush=True)
         return 0
 
     def close(self) -> None:

@@ -4,7 +4,7 @@
 
 It synthesises AMIGOS-like recordings and converts them (once per work directory), starts K
 ``fuelline serve`` processes on free ports, runs ``torchrun --standalone --nproc_per_node N -m
-fuelline.trainer --servers <all K>``, prints each epoch's metrics as they come, and tears
+fuelline.trainer --servers <all K>``, passes on its one-line summary of each epoch, and tears
 everything down: when the job ends, when it fails, and on Ctrl-C or SIGTERM. Every child runs in
 a process group of its own, so the teardown reaches torchrun's ranks too; what ignores SIGTERM for
 10 s is killed.
@@ -13,7 +13,6 @@ a process group of its own, so the teardown reaches torchrun's ranks too; what i
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -149,15 +148,6 @@ def prepare_data(work: Path, args: argparse.Namespace) -> Path:
     return data
 
 
-def print_epoch(line: str) -> None:
-    m = json.loads(line)
-    share = m.get("data_wait_share")
-    print(f"epoch {m['epoch']}: train loss {m['train_loss']:.4f}, val accuracy {m['val_accuracy']:.3f}, "
-          f"macro-F1 {m['val_macro_f1']:.3f}, {m['samples_per_s']:.0f} samples/s, step {m['step_time_s'] * 1e3:.1f} ms, "
-          f"data wait {m['data_wait_s'] * 1e3:.1f} ms" + (f" ({share:.0%} of the time)" if share is not None else ""),
-          flush=True)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args, trainer_options = parse_args(argv)
     signal.signal(signal.SIGINT, _on_signal)
@@ -185,9 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         children.append(trainer)
         print(f"training: {args.ranks} ranks, {args.epochs} epochs", flush=True)
         assert trainer.proc.stdout is not None
-        for line in trainer.proc.stdout:
-            if line.startswith("{"):
-                print_epoch(line)
+        for line in trainer.proc.stdout:  # the trainer's one-line summary per epoch; the full records are in metrics
+            if line.startswith("epoch "):
+                print(line, end="", flush=True)
         code = trainer.proc.wait()
         if code != 0:
             print(f"the trainer failed with exit status {code}:\n{trainer.tail()}", file=sys.stderr, flush=True)
