@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Sequence
 
 __all__ = ["build_parser", "parse_args"]
@@ -10,7 +11,8 @@ __all__ = ["build_parser", "parse_args"]
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="torchrun --nproc_per_node N -m fuelline.trainer",
-                                description="Train the multimodal emotion classifier on batches from data servers.")
+                                description="Train a classifier on batches from data servers: the built-in multimodal "
+                                            "emotion model, or one of your own (--model).")
     p.add_argument("--servers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                    help="the data servers; with several, each serves a disjoint part of every rank's share "
                         "(start them with the same dataset and options)")
@@ -26,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--class-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="weight classes by N_max / (N_c + ε) from the server's class counts")
     p.add_argument("--width", type=int, default=32, help="feature width of the encoders")
+    p.add_argument("--model", default=None, metavar="PACKAGE.MODULE:FUNCTION",
+                   help="train the nn.Module this function returns for a ModelSpec (fuelline.trainer.model_spec; "
+                        "see examples/own_model.py) instead of the built-in multimodal emotion model")
+    p.add_argument("--label-source", default="label", help="the source holding each example's class index")
+    p.add_argument("--classes", type=int, default=None, metavar="N",
+                   help="number of classes, where the server names none (else counted from the train labels)")
     p.add_argument("--warmup-iters", type=int, default=10, help="plain all-reduce steps before onebit compresses")
     p.add_argument("--freeze-step", type=int, default=100, help="onebit-adam: plain Adam steps before the variance freezes")
     p.add_argument("--checkpoint-dir", default=None, help="per-rank checkpoints (model, optimizer, data position)")
@@ -66,4 +74,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--resume needs --checkpoint-dir")
     if args.epochs < 1:
         p.error("--epochs must be >= 1")
+    if args.classes is not None and args.classes < 2:
+        p.error("--classes must be >= 2")
+    if args.model is not None and not re.fullmatch(r"[\w.]+:\w+", args.model):
+        p.error(f"--model: {args.model!r} is not package.module:function")
     return args

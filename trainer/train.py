@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fuelline.client import ServerDataStream
+from fuelline.protocol import DataError
 from fuelline.trainer import comm
 from fuelline.trainer.checkpoint import CheckpointError, Checkpoints
 from fuelline.trainer.cli import parse_args
@@ -24,7 +25,7 @@ from fuelline.trainer.dynamic_batch import MicroBatcher
 from fuelline.trainer.lifecycle import shutdown
 from fuelline.trainer.losses import class_weights, l2_norm, make_weighting, modality_losses
 from fuelline.trainer.metrics import classification_report, epoch_summary, wire_compression
-from fuelline.trainer.model import EmotionNet
+from fuelline.trainer.model_spec import EVAL_HEAD, as_heads, build_model, scan_classes
 from fuelline.trainer.progress import EpochProgress, use_bar
 from fuelline.trainer.timing import GpuSampler, StepTimes, gpu_report, wait_share
 from fuelline.trainer.timing import report as timing_report
@@ -80,15 +81,17 @@ class Trainer:
         self.train = ServerDataStream(None, split="train", **common)
         self.val = ServerDataStream(None, split="val", **common)
         info = self.train.info
-        self.classes: list[str] = list(info["emotions"])
-        counts = [info["class_counts"][c] for c in self.classes]
-        self.model = EmotionNet(self.train.schema, len(self.classes), width=args.width).to(device)
+        self.model, self.spec, self.heads, counts = build_model(
+            args, self.train.sources, self.train.schema, info, lambda: scan_classes(common, args.label_source, device), device)
+        self.classes: list[str] = list(self.spec.class_names or map(str, range(self.spec.classes)))
         self.ddp = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
         self.comm_state = self._register_hook()
         self.optimizer = make_optimizer(args, self.ddp, self.comm_state)
-        self.weights = class_weights(counts).to(device) if args.class_weights else None
-        self.heads = [*self.model.modalities, "fused"]
-        self.weighting = make_weighting(args.weighting, self.heads)
+        self.weights = class_weights(counts).to(device) if args.class_weights and counts is not None else None
+        if args.class_weights and counts is None and rank == 0:
+            log.info("the server gives no class counts: class weights off")
+        # One head has nothing to be weighted against.
+        self.weighting = make_weighting(args.weighting, self.heads) if len(self.heads) > 1 else None
         self.alphas = {m: 1.0 for m in self.heads}
         self.micro = MicroBatcher(enabled=device.type == "cuda", size=args.micro_batch)
         self.ckpt = Checkpoints(args.checkpoint_dir, rank, world) if args.checkpoint_dir else None
@@ -155,9 +158,14 @@ class Trainer:
             self.ckpt.save(self.step, self.state())
 
     # -- training ------------------------------------------------------------------------------
+    def _logits(self, module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Logits per head of ``module`` (the DDP wrapper or the bare model); it never sees the labels."""
+        label = self.spec.label_source
+        return as_heads(module({k: v for k, v in batch.items() if k != label}))
+
     def _forward_backward(self, batch: dict[str, torch.Tensor], scale: float) -> None:
-        logits = self.ddp(batch)
-        losses = modality_losses(logits, batch["label"], self.weights)
+        logits = self._logits(self.ddp, batch)
+        losses = modality_losses(logits, batch[self.spec.label_source], self.weights)
         total = sum(self.alphas[m] * losses[m] for m in self.heads) + self.args.l2 * l2_norm(self.model.parameters())
         (total * scale).backward()
         sums = self.epoch_sums
@@ -170,8 +178,8 @@ class Trainer:
 
         def trial(b: dict[str, torch.Tensor], scale: float) -> None:
             with self.ddp.no_sync():  # a probe must not all-reduce: the ranks may try different sizes
-                logits = self.ddp(b)
-                sum(F.cross_entropy(z, b["label"]) for z in logits.values()).backward()
+                logits = self._logits(self.ddp, b)
+                sum(F.cross_entropy(z, b[self.spec.label_source]) for z in logits.values()).backward()
 
         size = self.micro.probe(batch, trial, lambda: self.optimizer.zero_grad(set_to_none=True))
         if dist.is_initialized() and size is not None:
@@ -273,7 +281,7 @@ class Trainer:
         }
 
     def evaluate(self) -> dict[str, Any]:
-        """Fused-head predictions over the whole val split (padding duplicates removed by sample_id)."""
+        """Fused-head (or single-output) predictions over the whole val split (padding duplicates removed by sample_id)."""
         self.model.eval()
         ids, preds, labels = [], [], []
         with torch.no_grad():
@@ -281,8 +289,9 @@ class Trainer:
                 ids += batch.pop("sample_id").tolist()
                 batch.pop("t_start", None)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                preds += self.model(batch)["fused"].argmax(dim=1).tolist()
-                labels += batch["label"].tolist()
+                logits = self._logits(self.model, batch)
+                preds += logits[EVAL_HEAD if EVAL_HEAD in logits else self.heads[0]].argmax(dim=1).tolist()
+                labels += batch[self.spec.label_source].tolist()
         self.model.train()
         gathered: list = [None] * self.world
         if dist.is_initialized():
@@ -370,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = trainer.run()
         ok = True
         return code
-    except CheckpointError as exc:
+    except (CheckpointError, DataError) as exc:  # bad input or options: one line says which
         log.error("rank %d: %s", rank, exc)
         return 1
     except KeyboardInterrupt:
