@@ -73,6 +73,26 @@ def test_own_model_trains_above_chance_on_two_ranks(separable_dataset: Path, sta
     assert "no class counts: class weights off" in result.stderr
 
 
+@pytest.mark.timeout(180)
+def test_own_model_resumes_from_its_checkpoint(separable_dataset: Path, start_serve, tmp_path: Path) -> None:
+    server = start_serve(separable_dataset, "--batch-size", "64", "--seed", "3")
+    common = ("--model", "examples.own_model:build", "--epochs", "2", "--classes", str(CLASSES), "--lr", "0.01",
+              "--checkpoint-dir", str(tmp_path / "ck"), "--sample-log", str(tmp_path / "ids"),
+              "--metrics-json", str(tmp_path / "metrics.jsonl"))
+    stopped = torchrun(server.endpoint, *common, "--max-steps", "10", nproc=1)  # mid epoch 0 (32 steps)
+    assert stopped.returncode == 0, stopped.stderr[-4000:]
+    assert "counted from the train labels" not in stopped.stderr  # --classes: no pass over the labels
+    resumed = torchrun(server.endpoint, *common, "--resume", nproc=1)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "resumed at step 10" in resumed.stderr
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [0, 1] and records[-1]["step"] == 64
+    logged = [json.loads(line) for line in (tmp_path / "ids.rank0").read_text().splitlines()]
+    for epoch in (0, 1):
+        ids = [x for r in logged if r["epoch"] == epoch for x in r["ids"]]
+        assert sorted(ids) == list(range(2048))  # every train example once: nothing lost, nothing repeated
+
+
 @pytest.mark.timeout(120)
 def test_builtin_model_on_the_sample_dataset_fails_with_one_clear_line(sample_dataset: Path, start_serve) -> None:
     server = start_serve(sample_dataset, "--batch-size", "64")
