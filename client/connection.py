@@ -16,10 +16,11 @@ libzmq's I/O thread receives meanwhile.
 The connection tracks the position after the last batch it received. After a silence of three
 server heartbeat intervals, a ``Bye`` or a server restart, it reconnects with backoff and asks for
 exactly that position, so nothing is lost or repeated. It gives up with ``ServerUnavailable``
-after ``timeout`` seconds without hearing from the server. The position means the same batch
-only under the same sequence fingerprint (``Welcome.fingerprint``): the connection holds to the
-first one it hears (or the one ``hold_to`` gives it), and fails with ``FingerprintMismatch`` on a
-Welcome that differs, before any batch of that server is handed over.
+after ``timeout`` seconds without hearing from the server; until its first Welcome, after
+``connect_timeout`` seconds of refused connections (nothing listens there). The position means
+the same batch only under the same sequence fingerprint (``Welcome.fingerprint``): the
+connection holds to the first one it hears (or the one ``hold_to`` gives it), and fails with
+``FingerprintMismatch`` on a Welcome that differs, before any batch of that server is handed over.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ class Connection(Receiving):
         hwm: batches the client may hold (received and not yet taken, plus in flight).
         heartbeat: the client's heartbeat interval.
         timeout: seconds without hearing the server before ServerUnavailable.
+        connect_timeout: seconds of refused connections before the first Welcome after which
+            ServerUnavailable is raised; once welcomed, a server that goes away gets ``timeout``.
         curve: CURVE keys to connect with; None for a server without CURVE.
         local: move to the server's ipc endpoint when its Welcome offers one this client can
             prove it shares (the server's token file reads the same here): a client on the
@@ -90,6 +93,7 @@ class Connection(Receiving):
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
         local: bool = True,
+        connect_timeout: float | None = None,
     ) -> None:
         self.endpoint = endpoint
         self.transport = endpoint  # where the socket connects now: the endpoint, or the server's ipc path
@@ -104,6 +108,7 @@ class Connection(Receiving):
         self._hwm = hwm
         self._heartbeat = heartbeat
         self._timeout = timeout
+        self._connect_timeout = timeout if connect_timeout is None else connect_timeout
         self._verify = verify
         self._limits = limits
         self._ctx = context or zmq.Context.instance()
@@ -136,13 +141,13 @@ class Connection(Receiving):
         self._backoff = self.BACKOFF_MIN
         self._retry_at: float | None = None
         now = time.monotonic()
-        self._last_heard = self._last_sent = self._hello_sent = now
+        self._last_heard = self._last_sent = self._hello_sent = self._started = now
 
     # -- the user's side -----------------------------------------------------------------------
     def start(self, stream: int, epoch: int, cursor: int, history: tuple = ()) -> None:
         with self._lock:
             self._stream, self._pos, self._history = stream, (epoch, cursor), tuple(history)
-            self._last_heard = time.monotonic()
+            self._last_heard = self._started = time.monotonic()
             self._open()
         self._keepalive.start()
 
@@ -356,6 +361,12 @@ class Connection(Receiving):
             return
         now = time.monotonic()
         silent = now - self._last_heard
+        # Refused connections fail after connect_timeout, but only before the first Welcome: a
+        # server welcomed once may be restarting, and gets the whole timeout.
+        limit = self._timeout if self.welcome is not None else self._connect_timeout
+        if self._watch.refused_for(now, self._started, limit) > limit and self.welcome is None:
+            self._fail(ServerUnavailable(self.endpoint, now - self._started, self._detail("")))
+            return
         if silent > self._timeout:
             detail = f"it said: {self._bye_reason}" if self._bye_reason else ""
             self._fail(ServerUnavailable(self.endpoint, silent, self._detail(detail)))
@@ -372,7 +383,9 @@ class Connection(Receiving):
             if unwelcome and now - self._last_heard <= limit:
                 log.warning("server %s sent no Welcome in %.1fs; reconnecting", self.endpoint, now - self._hello_sent)
             elif not self._bye_pending:
-                log.warning("server %s silent for %.1fs; reconnecting", self.endpoint, silent)
+                # (Refused connections were told once, as such: retrying them is no news.)
+                log.log(logging.DEBUG if self._watch.refused else logging.WARNING,
+                        "server %s silent for %.1fs; reconnecting", self.endpoint, silent)
             self._bye_pending = False
             self._close_socket()
             self._retry_at = now + self._backoff

@@ -10,14 +10,16 @@ all ZeroMQ certificate files as ``fuelline keygen`` writes them::
 ZeroMQ refuses a client during the handshake, before any fuelline message, so a refused client
 would only see silence. ``HandshakeWatch`` reads the socket's monitor events instead: a refused
 key or a CURVE/plain mismatch fails at once, and other failed handshakes are named when the
-client gives up. The key-file loader lives here because both sides need it and the client must
-not import the server.
+client gives up. The same events tell a refused TCP connection (nothing listens at the port)
+from a server that accepted it and stays silent. The key-file loader lives here because both
+sides need it and the client must not import the server.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Union
@@ -137,6 +139,7 @@ class HandshakeWatch:
 
     EVENTS = (
         zmq.EVENT_CONNECTED
+        | zmq.EVENT_CONNECT_RETRIED
         | zmq.EVENT_HANDSHAKE_SUCCEEDED
         | zmq.EVENT_HANDSHAKE_FAILED_AUTH
         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -153,6 +156,12 @@ class HandshakeWatch:
         self._monitor: zmq.Socket | None = None
         self._watched: zmq.Socket | None = None
         self._available = True
+        # A connect attempt that ends in a retry without a TCP connection was refused (or the
+        # host unreachable): libzmq retries on its own, every reconnect interval.
+        self._tcp_up = False  # a TCP connection was made since the socket's last retry
+        self.refusals = 0  # refused attempts in a row, across sockets, until a connection is made
+        self.refused_since: float | None = None  # monotonic time of the first of them
+        self._told = False  # this run of refusals was logged
 
     def attach(self, sock: zmq.Socket) -> None:
         """Watch ``sock``; call before ``connect``."""
@@ -162,6 +171,7 @@ class HandshakeWatch:
             # socket's monitor may still hold.
             self._monitor = sock.get_monitor_socket(self.EVENTS, addr=f"inproc://fuelline-monitor-{uuid.uuid4().hex}")
             self._watched = sock
+            self._tcp_up = False
         except (zmq.ZMQError, NotImplementedError) as exc:
             log.debug("no handshake monitor for %s: %s", self.endpoint, exc)
             self._monitor, self._available = None, False
@@ -184,7 +194,25 @@ class HandshakeWatch:
             self._monitor.close(linger=0)
             self._monitor = None
 
+    @property
+    def refused(self) -> bool:
+        """The latest connect attempts were refused: nothing listens there (as far as seen)."""
+        return self.refused_since is not None
+
+    def refused_for(self, now: float, since: float, limit: float) -> float:
+        """Seconds since ``since`` while the connections are refused, else 0. Tells a run of
+        refusals once, as such, with ``limit`` (the seconds it will be retried for)."""
+        if self.refused_since is None:
+            self._told = False
+            return 0.0
+        if not self._told and self.refusals >= 3:  # not a server that is just starting
+            self._told = True
+            log.warning("server %s refuses connections (nothing listens at %s); retrying for up to %.0fs",
+                        self.endpoint, _host_port(self.endpoint), limit)
+        return now - since
+
     def check(self) -> RemoteError | None:
+        """Reads the events that arrived; the error to fail with if the server refused this client."""
         if self._monitor is None:
             return None
         for _ in range(self.MAX_EVENTS_PER_CHECK):
@@ -204,6 +232,16 @@ class HandshakeWatch:
     def _on_event(self, kind: int, value: int) -> RemoteError | None:
         if kind == zmq.EVENT_CONNECTED:
             self._state = "connected"
+            self._tcp_up = True
+            self.refusals, self.refused_since = 0, None
+        elif kind == zmq.EVENT_CONNECT_RETRIED:
+            # Also sent when a connection that was up dropped and libzmq starts over: only a
+            # retry with no connection since the previous one is a refusal.
+            if not self._tcp_up:
+                self.refusals += 1
+                if self.refused_since is None:
+                    self.refused_since = time.monotonic()
+            self._tcp_up = False
         elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._state, self.failures, self.last_failure = "succeeded", 0, ""
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == 400:
@@ -234,6 +272,8 @@ class HandshakeWatch:
 
     def hint(self) -> str:
         """Why a server may stay silent, as far as the handshakes tell; "" when they do not."""
+        if self.refused:
+            return f"connection refused: nothing listens at {_host_port(self.endpoint)}"
         if self._state == "failed":
             times = "once" if self.failures == 1 else f"{self.failures} times"
             what = f"the handshake failed {times} (last: {self.last_failure})"
@@ -251,6 +291,11 @@ class HandshakeWatch:
                 "server.key, or this client's CURVE key may not be authorized there"
             )
         return f"{what}; or the server may require CURVE authentication (connect with curve_keys=DIR)"
+
+
+def _host_port(endpoint: str) -> str:
+    """``host:port`` of ``tcp://host:port`` (what a person types); other endpoints as they are."""
+    return endpoint.removeprefix("tcp://")
 
 
 def _describe(kind: int, value: int) -> str:

@@ -58,6 +58,9 @@ class ServerDataStream:
             reconnects and resumes on its own. ``hwm`` is shared among them.
         timeout: seconds to keep trying to reach a silent or absent server before raising
             ``ServerUnavailable``.
+        connect_timeout: seconds to keep trying a server that refuses the connection (nothing
+            listens at the port) before its first Welcome; once welcomed, a server that goes away
+            (a restart) gets the whole ``timeout``.
         heartbeat: seconds of idleness after which this client tells the server it is alive.
         receive_timeout: if set, raise ``ReceiveTimeout`` when a live server delivers no batch for
             this many seconds (a stuck source); None waits as long as the server is alive.
@@ -94,6 +97,7 @@ class ServerDataStream:
         split: str = "train",
         endpoints: Sequence[str] | None = None,
         timeout: float = 60.0,
+        connect_timeout: float = 10.0,
         heartbeat: float = 1.0,
         receive_timeout: float | None = None,
         tensors: bool = False,
@@ -106,8 +110,8 @@ class ServerDataStream:
     ) -> None:
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
-        if timeout <= 0 or heartbeat <= 0:
-            raise ValueError("timeout and heartbeat must be positive seconds")
+        if timeout <= 0 or heartbeat <= 0 or connect_timeout <= 0:
+            raise ValueError("timeout, connect_timeout and heartbeat must be positive seconds")
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
         if not 0 <= self.rank < self.world_size:
@@ -125,6 +129,7 @@ class ServerDataStream:
         self.split = split
         self.hwm = hwm
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self.heartbeat = heartbeat
         self.receive_timeout = receive_timeout
         self.tensors = tensors
@@ -281,6 +286,7 @@ class ServerDataStream:
                 Connection(
                     endpoint, hello, hwm=hwm, heartbeat=self.heartbeat, timeout=self.timeout, verify=self._verify,
                     limits=self._limits, context=self._context, curve=self._curve, local=self._local,
+                    connect_timeout=self.connect_timeout,
                 )
                 for endpoint, hello in zip(self.endpoints, self._hellos)
             ]

@@ -54,8 +54,19 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fuelline")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuelline", description="Stream training batches from data servers.")
+    parser.add_argument("--version", action="version", version=f"fuelline {_version()}",
+                        help="print the installed version and exit")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="least severe log records shown")
     parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                         help="log lines for people (text) or one JSON object per line for log shippers (json)")
@@ -146,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--world-size", type=_positive_int, default=1, help="of this many ranks")
     stream.add_argument("--hwm", type=_positive_int, default=10, help="batches prefetched")
     stream.add_argument("--timeout", type=_seconds, default=60.0, help="seconds to keep trying a silent server")
+    stream.add_argument("--connect-timeout", type=_seconds, default=10.0, metavar="SECONDS",
+                        help="seconds to keep trying a server that refuses the connection (nothing listens at "
+                             "the port) before it first answers; a server that answered once gets --timeout")
     stream.add_argument("--json", action="store_true", help="print one JSON object per epoch")
     stream.add_argument("--curve-keys", default=None, metavar="DIR",
                         help="connect with CURVE: DIR holds client.key_secret and the server's server.key")
@@ -257,7 +271,7 @@ def _stream(args: argparse.Namespace) -> int:
 
     with ServerDataStream(
         endpoints=args.endpoint, split=args.split, rank=args.rank, world_size=args.world_size,
-        hwm=args.hwm, timeout=args.timeout, curve_keys=args.curve_keys,
+        hwm=args.hwm, timeout=args.timeout, connect_timeout=args.connect_timeout, curve_keys=args.curve_keys,
     ) as stream:
         for epoch in range(args.epochs):
             batches = rows = nbytes = 0
@@ -306,6 +320,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FuellineError, FileExistsError) as exc:
         print(f"fuelline {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C is how a person stops `fuelline stream`: one line, and the shell's 128 + SIGINT.
+        print(f"fuelline {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
