@@ -24,12 +24,18 @@ def counters(server: Any) -> dict[str, int]:
 
 
 class StatusLine:
-    """One readable line per interval: what an operator looks at first."""
+    """One readable line per interval: what an operator looks at first.
+
+    An idle server does not repeat itself: after a line that said nothing was sent, a line that
+    would say the same (the same clients, no batch sent, the same batches waiting) is left out
+    until something happens.
+    """
 
     def __init__(self, interval: float, now: float) -> None:
         self.interval = interval  # seconds; 0: none
         self._at = now + interval
         self._base = (0, 0, now)
+        self._said: tuple | None = None  # (clients, waiting, batches and bytes sent) of the last line
 
     def due(self, now: float) -> bool:
         return bool(self.interval) and now >= self._at
@@ -40,6 +46,12 @@ class StatusLine:
         sessions = list(server.sessions.values())
         queued = sum(s.queued for s in sessions)
         counts = counters(server)
+        state = (len(sessions), queued, counts["batches"] - batches, counts["bytes"] - nbytes)
+        self._at = now + self.interval
+        self._base = (counts["batches"], counts["bytes"], now)
+        if state == self._said and not any(state[2:]):
+            return
+        self._said = state
         tiers = []
         for tier in ("memory", "decoded", "disk"):
             hits, misses = counts.get(f"cache_{tier}_hits", 0), counts.get(f"cache_{tier}_misses", 0)
@@ -48,9 +60,7 @@ class StatusLine:
         if counts.get("remote_fetches"):
             tiers.append(f"{counts['remote_fetches']} remote fetches ({counts.get('remote_bytes', 0) / 1e6:.1f} MB)")
         log.info(
-            "%d clients; %.1f batches/s, %.1f MB/s; %d batches prepared and waiting for credit%s",
-            len(sessions), (counts["batches"] - batches) / dt, (counts["bytes"] - nbytes) / dt / 1e6, queued,
+            "%d client%s; %.1f batches/s, %.1f MB/s; %d batches prepared and waiting for credit%s",
+            len(sessions), "" if len(sessions) == 1 else "s", state[2] / dt, state[3] / dt / 1e6, queued,
             "".join(f"; {t}" for t in tiers),
         )
-        self._base = (counts["batches"], counts["bytes"], now)
-        self._at = now + self.interval

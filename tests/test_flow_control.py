@@ -127,4 +127,4 @@ def test_the_server_logs_a_status_line_per_interval(sample_dataset: Path, start_
     with ServerDataStream(("sample_id",), endpoints=[server.endpoint], timeout=10) as s:
         assert len(list(s.get_epoch_iterator())) == 80
         # (wait_log fails the test if no such line appears: a client, and batches flowing.)
-        server.wait_log(r"1 clients; [1-9][\d.]* batches/s, [\d.]+ MB/s; \d+ batches prepared", timeout=5)
+        server.wait_log(r"1 client; [1-9][\d.]* batches/s, [\d.]+ MB/s; \d+ batches prepared", timeout=5)
