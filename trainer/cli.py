@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "stderr then)")
     p.add_argument("--sample-log", default=None, help="per rank, append each step's sample_ids to FILE.rankR")
     p.add_argument("--hwm", type=int, default=10, help="batches each rank prefetches from its data servers")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds to keep trying a silent data server")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to keep trying a silent data server, or one that refuses connections")
     p.add_argument("--curve-keys", default=None, metavar="DIR",
                    help="connect with CURVE: DIR holds client.key_secret and the server's server.key")
     p.add_argument("--seed", type=int, default=0, help="seeds the model's initialisation")

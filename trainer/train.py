@@ -76,8 +76,10 @@ class Trainer:
     def __init__(self, args, rank: int, world: int, device: torch.device) -> None:
         self.args, self.rank, self.world, self.device = args, rank, world, device
         torch.manual_seed(args.seed)
+        # A data server may still be opening its dataset when the ranks start (a Kubernetes Job beside
+        # its StatefulSet): refused connections are waited for as long as a silent server.
         common = dict(endpoints=args.servers, rank=rank, world_size=world, hwm=args.hwm, timeout=args.timeout,
-                      tensors=True, curve_keys=args.curve_keys)
+                      connect_timeout=args.timeout, tensors=True, curve_keys=args.curve_keys)
         self.train = ServerDataStream(None, split="train", **common)
         self.val = ServerDataStream(None, split="val", **common)
         info = self.train.info
