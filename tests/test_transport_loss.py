@@ -10,10 +10,12 @@ counts the missing Welcome as silence and connects again.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import zmq
 
+from conftest import wait_until
 from tcp_proxy import TcpProxy
 
 from fuelline.client import ServerDataStream
@@ -66,3 +68,28 @@ def test_a_hello_lost_with_its_server_is_sent_again_to_the_next(sample_dataset: 
     with ServerDataStream(("sample_id",), endpoints=[server.endpoint], hwm=4, timeout=TIMEOUT, local=False) as s:
         assert ids == _ids(s)
 
+
+
+def test_a_lost_batch_that_held_all_the_credit_is_noticed_by_the_servers_heartbeat(sample_dataset: Path, start_serve) -> None:
+    # With hwm 1 the lost batch is the only one in flight: no later batch shows a gap, and the
+    # server, out of credit, only sends heartbeats. Their count of what was sent tells the client.
+    server = start_serve(sample_dataset, *ARGS)
+    with ServerDataStream(("sample_id",), endpoints=[server.endpoint], hwm=1, timeout=TIMEOUT, local=False) as s:
+        reference = _ids(s)
+    with TcpProxy(server.port, lifetime=120.0) as proxy:
+        with ServerDataStream(("sample_id",), host="127.0.0.1", port=proxy.port, hwm=1, heartbeat=0.2,
+                              timeout=TIMEOUT, receive_timeout=TIMEOUT, local=False) as stream:
+            it = stream.get_epoch_iterator()
+            got = [int(i) for i in next(it)[0]]  # batch 1 is on its way once this one is taken
+            (conn,) = stream._conns  # noqa: SLF001
+            wait_until(lambda: len(conn._items) == 1, TIMEOUT, "batch 1 received")  # noqa: SLF001
+            cuts: list[int] = []
+            cutter = threading.Thread(target=lambda: cuts.append(proxy.cut(in_flight=True, within=10.0)))
+            cutter.start()
+            wait_until(lambda: proxy.armed, TIMEOUT, "the cut armed")
+            got += [int(i) for i in next(it)[0]]  # its credit lets batch 2 go, into the cut
+            cutter.join(TIMEOUT)
+            got += [int(i) for (batch,) in it for i in batch]
+            assert cuts == [1], cuts
+            assert conn.resumes_after_loss >= 1 and conn.reconnects == 0, (conn.resumes_after_loss, conn.reconnects)
+    assert got == reference
