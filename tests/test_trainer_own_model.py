@@ -160,3 +160,15 @@ def test_classes_come_from_the_server_then_the_option_then_the_labels() -> None:
         class_facts(info, 4, lambda: 99)
     assert class_facts({}, 7, lambda: 99) == (None, 7, None)
     assert class_facts({}, None, lambda: 5) == (None, 5, None)
+
+
+def test_a_server_without_a_val_split_is_refused_before_training_with_one_line(separable_dataset: Path, start_serve) -> None:
+    # A folder of Parquet files is one split, train: nothing to evaluate on. (A converted dataset
+    # of a few recordings can leave val empty as well.)
+    server = start_serve(separable_dataset / "train", "--batch-size", "64")
+    result = torchrun(server.endpoint, "--epochs", "1", "--model", "examples.own_model:build")
+    assert result.returncode != 0
+    ranks = result.stderr.split("failed (exitcode")[0]
+    errors = [x for x in ranks.splitlines() if "fuelline.trainer ERROR" in x]
+    assert len(errors) == 2 and all("no 'val' split" in x and "['train']" in x for x in errors), result.stderr[-4000:]
+    assert "Traceback" not in ranks and "step 1/" not in ranks, result.stderr[-4000:]  # refused before training

@@ -83,6 +83,12 @@ class Trainer:
         self.train = ServerDataStream(None, split="train", **common)
         self.val = ServerDataStream(None, split="val", **common)
         info = self.train.info
+        splits = sorted(info.get("splits") or ())
+        if "val" not in splits:  # (found now, not after the first epoch's training)
+            raise DataError(
+                f"the data server at {args.servers} serves no 'val' split to evaluate on (it has {splits}): serve "
+                "a dataset with a val/ folder, or convert with a --val-fraction that leaves whole recordings for val"
+            )
         self.model, self.spec, self.heads, counts = build_model(
             args, self.train.sources, self.train.schema, info, lambda: scan_classes(common, args.label_source, device), device)
         self.classes: list[str] = list(self.spec.class_names or map(str, range(self.spec.classes)))
