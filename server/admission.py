@@ -3,9 +3,11 @@
 Sessions, threads and memory are bounded by the server's own caps, whatever peers send or claim.
 A session holds a producer thread and up to 2 × hwm batches only once its client has granted
 credit; before that it holds a place and nothing else. So when a cap is reached the server
-refuses the newcomer (``ErrorCode.BUSY``, naming the cap) rather than drop a working session,
-with one exception: a session whose client has granted no credit for ``grace`` seconds is given
-up for the newcomer, so connections that say Hello and then nothing cannot lock honest clients out.
+refuses the newcomer (``ErrorCode.BUSY``, naming the cap) rather than drop a working session.
+Idle sessions (whose client never granted credit) give way instead: to a newcomer that grants
+credit at once, the oldest of them, so connections that say Hello and then nothing cannot lock an
+honest client out however many they are; to another idle newcomer, only one idle for ``grace``
+seconds, so idle connections cannot take each other's places in a loop either.
 
 Defaults: 256 sessions, a place per client for a large training job (32 hosts × 8 ranks, or one
 host's ranks × DataLoader workers × splits), and far below the thread limits of a host or a
@@ -86,9 +88,11 @@ class Admission:
         self._unlogged = 0
         self._log_at = 0.0
 
-    def admit(self, sessions: Iterable[Session], peer: str, leaving: Collection[Session], now: float) -> Verdict:
+    def admit(self, sessions: Iterable[Session], peer: str, leaving: Collection[Session], now: float,
+              grants: bool = True) -> Verdict:
         """Whether a Hello from ``peer`` gets a session. ``leaving``: the sessions it replaces
-        (its connection's, its client's), which make room for it."""
+        (its connection's, its client's), which make room for it; ``grants``: the Hello grants
+        credit."""
         staying = [s for s in sessions if s not in leaving]
         mine = [s for s in staying if s.peer == peer]
         if len(mine) >= self.max_clients_per_peer:
@@ -98,7 +102,7 @@ class Admission:
             pool, cap = staying, f"{self.max_clients} sessions (--max-clients)"
         else:
             return Verdict()
-        idle = [s for s in pool if s.never_granted_for(self.grace, now)]
+        idle = [s for s in pool if s.never_granted_for(0.0 if grants else self.grace, now)]
         if idle:
             return Verdict(evict=min(idle, key=lambda s: s.created))
         return Verdict(refusal=f"server busy: it already serves {cap}; try again later")

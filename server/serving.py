@@ -289,7 +289,8 @@ class Server(Listener):
         old = self.sessions.get(rid)
         twins = [s for s in self.sessions.values() if s.hello.client_id == hello.client_id and s is not old]
         now = time.monotonic()
-        verdict = self.admission.admit(self.sessions.values(), peer, [*twins, old] if old else twins, now)
+        verdict = self.admission.admit(self.sessions.values(), peer, [*twins, old] if old else twins, now,
+                                       grants=hello.credit > 0)
         if verdict.refusal is not None:
             self.stats["refused_busy"] += 1
             self.admission.log_refusal(hello.client_id[:12], peer, verdict.refusal)

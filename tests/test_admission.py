@@ -180,6 +180,26 @@ def test_idle_hellos_cost_no_thread_and_little_memory(wide_dataset: Path, start_
     assert rss_peak - rss.baseline < 64, f"server RSS grew {rss_peak - rss.baseline:.0f} MB for 200 idle sessions"
 
 
+@pytest.mark.timeout(60)
+def test_idle_connections_over_the_caps_never_lock_an_honest_client_out(sample_dataset: Path, start_serve,
+                                                                        zmq_context) -> None:
+    # More idle connections than the server has places, all of them young: the honest client,
+    # whose Hello grants credit, takes an idle one's place at once.
+    server = start_serve(sample_dataset, "--batch-size", "1000", "--max-clients", "8")
+    peers = [Peer(zmq_context, server.port) for _ in range(20)]
+    try:
+        for i, peer in enumerate(peers):
+            peer.send(Hello(f"idle-{i}", credit=0, heartbeat=3600.0))
+        answers = [peer.answer() for peer in peers]
+        assert any(isinstance(a, Error) and a.code == "busy" for a in answers), answers  # the caps are reached
+        with ServerDataStream(("sample_id",), endpoints=[server.endpoint], timeout=10.0, local=False) as stream:
+            ids = [int(i) for (batch,) in stream.get_epoch_iterator() for i in batch]
+        assert sorted(ids) == sorted(set(ids)) and len(ids) == 8000
+    finally:
+        for peer in peers:
+            peer.close()
+
+
 @pytest.mark.timeout(30)
 def test_a_silent_client_is_dropped_within_the_servers_heartbeat_bound(sample_dataset: Path, start_serve,
                                                                      zmq_context) -> None:
@@ -238,39 +258,59 @@ def test_idle_sessions_make_room_for_a_newcomer_and_working_ones_do_not(sample_d
                          "--heartbeat", "0.1", "--hwm", "2")
     working = Peer(zmq_context, server.port)
     idle = [Peer(zmq_context, server.port) for _ in range(2)]
+    honest = Peer(zmq_context, server.port)
     attempts: list[Any] = []
     try:
         working.send(Hello("working", credit=1, heartbeat=grace))
         assert isinstance(working.answer(), Welcome) and isinstance(working.answer(), Batch)
         answers = welcome_all(idle, lambda i: Hello(f"idle-{i}", credit=0, heartbeat=grace))
         assert all(isinstance(a, Welcome) for a in answers), answers
+        # A newcomer that grants credit takes the oldest idle session's place at once: idle
+        # connections, however many and however young, never lock an honest client out.
+        honest.send(Hello("honest", credit=2, heartbeat=grace))
+        assert isinstance(honest.answer(), Welcome) and isinstance(honest.answer(), Batch)
+        gone = idle[0].answer(REPLY_WAIT)
+        assert isinstance(gone, Bye) and "granted no credit" in gone.reason, gone
+        idle[0].close()
+        # The server is full again: one working, one idle, one honest. Another idle newcomer is
+        # refused while the idle session is young, and takes its place once it has gone a grace
+        # period without granting credit.
         full_at = time.monotonic()
         welcomed_at = None
         while welcomed_at is None and time.monotonic() - full_at < 10.0:
-            for peer in [working, *idle]:
+            for peer in [working, honest, idle[1]]:
                 peer.send(Heartbeat())  # all alive: only credit (or its absence) tells them apart
             newcomer = Peer(zmq_context, server.port)
-            newcomer.send(Hello("newcomer", credit=2, heartbeat=grace))
+            newcomer.send(Hello("newcomer", credit=0, heartbeat=grace))
             attempts.append(newcomer.answer())
             newcomer.close()
             if isinstance(attempts[-1], Welcome):
                 welcomed_at = time.monotonic()
             else:
                 time.sleep(0.05)  # pacing the retries (the deadline above bounds the wait)
-        # Refused while the idle sessions were young; admitted once one had gone a grace period
-        # without granting credit. The oldest idle one made room, told why with a Bye.
         assert isinstance(attempts[0], Error) and attempts[0].code == "busy", attempts[0]
-        assert welcomed_at is not None and welcomed_at - full_at >= grace, attempts[-3:]
-        gone = idle[0].answer(REPLY_WAIT)
+        assert welcomed_at is not None and welcomed_at - full_at >= grace / 2, attempts[-3:]
+        gone = idle[1].answer(REPLY_WAIT)
         assert isinstance(gone, Bye) and "granted no credit" in gone.reason, gone
-        # The working session was never the one given up.
+        # That newcomer is idle in turn, and gives way to one that grants credit; once every
+        # session works, a newcomer is refused: working sessions are never the ones given up.
+        late = Peer(zmq_context, server.port)
+        late.send(Hello("late", credit=2, heartbeat=grace))
+        assert isinstance(late.answer(), Welcome)
+        later = Peer(zmq_context, server.port)
+        later.send(Hello("later", credit=2, heartbeat=grace))
+        refused = later.answer()
+        later.close()
+        late.close()
+        assert isinstance(refused, Error) and refused.code == "busy", refused
         working.send(Credit(1))
         assert isinstance(working.answer(), Batch)
     finally:
-        for peer in [working, *idle]:
+        for peer in [working, honest, *idle]:
             peer.close()
-    given_up = [line for line in server.log().splitlines() if "granted no credit" in line]
-    assert len(given_up) == 1 and "client idle-0#" in given_up[0], given_up
+    given_up = [line.split(" dropped")[0].rsplit(" ", 1)[-1] for line in server.log().splitlines()
+                if "granted no credit" in line]
+    assert [g.split("#")[0] for g in given_up] == ["idle-0", "idle-1", "newcomer"], given_up
 
 
 # -- attack 2: credit lies ---------------------------------------------------------------------------
