@@ -51,13 +51,16 @@ def tensors(value, path: str = ""):
 @pytest.mark.parametrize("options", [
     ("--compression", "onebit", "--optimizer", "sgd", "--lr", "0.01", "--warmup-iters", "2"),
     ("--optimizer", "onebit-adam", "--freeze-step", "3"),
-], ids=["onebit-sgd", "onebit-adam"])
+    ("--compression", "onebit", "--optimizer", "adam", "--freeze-step", "3"),
+    ("--compression", "onebit", "--optimizer", "sgd", "--momentum", "0", "--lr", "0.01", "--warmup-iters", "2"),
+], ids=["onebit-sgd", "onebit-adam", "onebit-compressed-adam", "onebit-plain-sgd"])
 def test_a_resumed_one_bit_run_matches_an_uninterrupted_one_bit_for_bit(dataset: Path, start_serve, tmp_path: Path,
                                                                         options: tuple[str, ...]) -> None:
     server = start_serve(dataset, "--batch-size", "8", "--seed", "3")
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     launch(server.endpoint, *options, "--checkpoint-dir", str(whole), "--max-steps", str(STEPS))
-    launch(server.endpoint, *options, "--checkpoint-dir", str(parts), "--max-steps", str(STOP))
+    first = launch(server.endpoint, *options, "--checkpoint-dir", str(parts), "--max-steps", str(STOP))
+    assert "1-bit compression starts" in first  # within the first STOP steps
     resumed = launch(server.endpoint, *options, "--checkpoint-dir", str(parts), "--max-steps", str(STEPS - STOP),
                      "--resume")
     assert f"resumed at step {STOP}" in resumed

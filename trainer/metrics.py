@@ -40,10 +40,11 @@ def wire_compression(optimizer: str, compression: str, comm_state: Any) -> dict[
     """What crosses the ranks, for the metrics line.
 
     Args:
-        optimizer: ``--optimizer``; with ``onebit-adam`` the momentum, not the gradient, is
-            compressed, and ``--compression`` is not used.
+        optimizer: ``--optimizer``.
         compression: ``--compression``.
-        comm_state: the communication hook's state (``OneBitState`` for the 1-bit schemes).
+        comm_state: the communication hook's state (``OneBitState`` for the 1-bit schemes); its
+            ``payload`` says whether an optimizer exchanges its momentum (``--compression onebit``
+            with sgd or adam, and ``--optimizer onebit-adam``) or the hook the gradients.
 
     Returns:
         ``compression``: the scheme (``none``, ``fp16``, ``onebit`` or ``onebit-momentum``);
@@ -51,7 +52,7 @@ def wire_compression(optimizer: str, compression: str, comm_state: Any) -> dict[
         (``gradients`` or ``momentum``), None while nothing is (uncompressed, or a 1-bit
         scheme still in its fp32 warm-up).
     """
-    if optimizer == "onebit-adam":
+    if optimizer == "onebit-adam" or getattr(comm_state, "payload", None) == "momentum":
         return {"compression": "onebit-momentum",
                 "compressed": "momentum" if getattr(comm_state, "local_gradients", False) else None}
     if compression == "onebit":

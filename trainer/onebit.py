@@ -113,6 +113,7 @@ class OneBitState(NamedErrors):
         "worker_errors",
         "server_errors",
         "local_gradients",
+        "payload",
         "places",
         "layouts",
         "orders",
@@ -146,9 +147,12 @@ class OneBitState(NamedErrors):
         # different tensor.
         self.worker_errors: dict[Hashable, torch.Tensor] = {}
         self.server_errors: dict[Hashable, torch.Tensor] = {}
-        # Set by OneBitAdam once its variance is frozen: onebit_adam_hook then leaves gradients
-        # local, because the optimizer exchanges the compressed momentum instead.
+        # Set by a compressed-momentum optimizer once warm: momentum_hook then leaves gradients
+        # local, because the optimizer exchanges its compressed momentum instead.
         self.local_gradients = False
+        # What the exchange compresses: "gradients" (this hook), or "momentum" once a
+        # compressed-momentum optimizer (fuelline.trainer.onebit_momentum) drives the state.
+        self.payload = "gradients"
         # id(parameter) -> (place in the module, name); empty: buckets are keyed by index.
         self.places: dict[int, tuple[int, str]] = {}
         # Per named key, its canonical layout; per DDP bucket order, its key and gather order.

@@ -17,6 +17,10 @@ The arrangement keeps each piece where DDP and ``torch.optim`` expect it:
   exchange, worker and server error feedback under one fixed key, so DDP's bucket rebuilds do not
   matter) and applies Adam's update with the frozen variance.
 
+The warm-up, the phase switch and the exchange are those of every compressed-momentum optimizer
+(:class:`~fuelline.trainer.onebit_momentum.CompressedMomentum`). The trainer runs this algorithm
+for ``--compression onebit --optimizer adam`` (and ``--optimizer onebit-adam``, its old name).
+
 Both share one :class:`~fuelline.trainer.onebit.OneBitState`: the optimizer sets its
 ``local_gradients`` flag when the variance freezes, and its byte counters add the warm-up
 all-reduce and the compressed momentum alike. The averaged momentum is decoded from the same
@@ -29,53 +33,25 @@ Usage::
     optimizer = OneBitAdam(ddp_model.parameters(), lr=1e-3, freeze_step=100, state=state)
 """
 
-# No ``from __future__ import annotations``: DDP compares a hook's annotations with the
-# GradBucket and Future classes themselves.
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-
-from fuelline.trainer.onebit import OneBitState, fp32_allreduce, onebit_allreduce
+from fuelline.trainer.onebit import OneBitState
+from fuelline.trainer.onebit_momentum import (
+    CompressedMomentum,
+    momentum_hook,
+    register_momentum_hook,
+)
 
 __all__ = ["OneBitAdam", "onebit_adam_hook", "register_onebit_adam"]
 
-# The momentum of all parameters travels as one vector under this error-feedback key.
-_MOMENTUM_KEY = "onebit_adam.momentum"
+# The hook and its registration are those of every compressed-momentum optimizer.
+onebit_adam_hook = momentum_hook
+register_onebit_adam = register_momentum_hook
 
 
-def onebit_adam_hook(
-    state: OneBitState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
-    """DDP hook for :class:`OneBitAdam`: fp32 average while warming up, local gradients after."""
-    buffer = bucket.buffer()
-    if state.local_gradients:
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(buffer)
-        return fut
-    return fp32_allreduce(state, buffer)
-
-
-def register_onebit_adam(
-    ddp: DistributedDataParallel, state: OneBitState | None = None
-) -> OneBitState:
-    """Register :func:`onebit_adam_hook` on ``ddp``; returns the state for :class:`OneBitAdam`.
-
-    Raises:
-        TypeError: ``state`` is not a :class:`~fuelline.trainer.onebit.OneBitState`.
-    """
-    if state is None:
-        state = OneBitState(process_group=ddp.process_group)
-    elif not isinstance(state, OneBitState):
-        # Caught here, not as an AttributeError inside the backward pass.
-        raise TypeError(f"state must be a OneBitState or None, got {type(state).__name__}")
-    ddp.register_comm_hook(state, onebit_adam_hook)
-    return state
-
-
-class OneBitAdam(torch.optim.Optimizer):
+class OneBitAdam(CompressedMomentum):
     """Adam for ``freeze_step`` steps, then Adam with frozen variance and 1-bit momentum exchange.
 
     Weight decay is decoupled (as AdamW, and as DeepSpeed's 1-bit Adam): it is applied to the
@@ -101,6 +77,9 @@ class OneBitAdam(torch.optim.Optimizer):
             froze; it has no variance to divide by.
     """
 
+    # The key checkpoints have always saved 1-bit Adam's error buffers under.
+    exchange_key = "onebit_adam.momentum"
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -121,44 +100,13 @@ class OneBitAdam(torch.optim.Optimizer):
             raise ValueError(
                 f"freeze_step must be >= 1 (the variance needs a gradient), got {freeze_step}"
             )
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.freeze_step = freeze_step
-        self.onebit_state = state if state is not None else OneBitState()
-        # Steps taken; decides the phase, so it is saved with the optimizer.
-        self.steps = 0
-        self._sync_hook()
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
+                         warmup_steps=freeze_step, state=state)
 
-    def _sync_hook(self) -> None:
-        # The hook runs during the backward pass of the next step, so it must already know
-        # which phase that step is in.
-        self.onebit_state.local_gradients = self.steps >= self.freeze_step
-
-    def state_dict(self) -> dict[str, Any]:
-        state_dict = super().state_dict()
-        state_dict["onebit_steps"] = self.steps
-        return state_dict
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        self.steps = int(state_dict.pop("onebit_steps", 0))
-        super().load_state_dict(state_dict)
-        self._sync_hook()
-
-    @torch.no_grad()
-    def step(  # type: ignore[override]
-        self, closure: Callable[[], float] | None = None
-    ) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self.steps < self.freeze_step:
-            self._warmup_step()
-        else:
-            self._compressed_step()
-        self.steps += 1
-        self._sync_hook()
-        return loss
+    @property
+    def freeze_step(self) -> int:
+        """Steps of plain Adam before the variance freezes (the warm-up)."""
+        return self.warmup_steps
 
     def _warmup_step(self) -> None:
         # Plain Adam on the gradients the hook has already averaged.
@@ -207,7 +155,7 @@ class OneBitAdam(torch.optim.Optimizer):
             denoms.append(denom)
             momenta.append((exp_avg / denom).reshape(-1))
         flat = torch.cat(momenta)
-        onebit_allreduce(self.onebit_state, flat, key=_MOMENTUM_KEY).wait()
+        self._exchange(flat)
         offset = 0
         for (group, p), denom in zip(tracked, denoms):
             exp_avg = self.state[p]["exp_avg"]
@@ -222,7 +170,7 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def _update(self, group: dict[str, Any], p: torch.Tensor) -> None:
         state = self.state[p]
-        beta1, beta2 = group["betas"]
+        beta1 = group["betas"][0]
         bias_correction1 = 1 - beta1 ** state["step"]
         denom = self._denom(group, p)
         if group["weight_decay"]:

@@ -63,13 +63,13 @@ def _truncate_jsonl(path: str, keep) -> None:
 
 def make_optimizer(args, ddp: DDP, comm_state: Any) -> torch.optim.Optimizer:
     params = ddp.parameters()
+    from fuelline.trainer.onebit_momentum import exchanges_momentum, onebit_optimizer
+
+    if exchanges_momentum(args.optimizer, args.compression):  # the optimizer compresses its momentum
+        return onebit_optimizer(args, params, comm_state)
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
-    if args.optimizer == "adam":
-        return torch.optim.Adam(params, lr=args.lr)
-    from fuelline.trainer.onebit_adam import OneBitAdam
-
-    return OneBitAdam(params, lr=args.lr, freeze_step=args.freeze_step, state=comm_state)
+    return torch.optim.Adam(params, lr=args.lr)
 
 
 class Trainer:
@@ -112,10 +112,10 @@ class Trainer:
                      None if self.weights is None else [round(w, 2) for w in self.weights.tolist()])
 
     def _register_hook(self) -> Any:
-        if self.args.optimizer == "onebit-adam":
-            from fuelline.trainer.onebit_adam import register_onebit_adam
+        from fuelline.trainer.onebit_momentum import exchanges_momentum, register_momentum_hook
 
-            return register_onebit_adam(self.ddp)
+        if exchanges_momentum(self.args.optimizer, self.args.compression):
+            return register_momentum_hook(self.ddp)
         return comm.register(self.ddp, self.args.compression, self.args.warmup_iters)
 
     # -- checkpoints -----------------------------------------------------------------------------

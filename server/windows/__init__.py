@@ -1,1 +1,0 @@
-"""Aligned windows of multimodal recordings: cutting and resampling, the served source, and the preprocessing stages."""

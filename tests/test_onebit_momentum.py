@@ -1,0 +1,128 @@
+"""1-bit momentum SGD, and ``--compression onebit`` running the compressed-momentum optimizers.
+
+The optimizer tests run on real gloo groups (the rank processes of test_onebit); the trainer
+tests on torchrun against a real data server.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fuelline.server.ingest.convert import convert
+from fuelline.server.ingest.synth import synthesize
+from fuelline.trainer.onebit import OneBitState
+from fuelline.trainer.onebit_momentum import register_momentum_hook
+from fuelline.trainer.onebit_sgd import OneBitSGD
+from test_onebit import _assert_replicas_identical, _message_bytes, _mlp, ranks  # noqa: F401
+from test_trainer import lines, torchrun
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+WARMUP, STEPS = 5, 25
+
+
+def _sgd_worker(rank: int, world_size: int, momentum: float) -> dict[str, Any]:
+    model = _mlp(seed=1)
+    ddp = DDP(model)
+    state = register_momentum_hook(ddp)
+    opt = OneBitSGD(ddp.parameters(), lr=0.05, momentum=momentum, warmup_steps=WARMUP, state=state)
+    # Each rank its own data: the ranks' gradients, and so their momenta, differ.
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(256, 16, generator=gen)
+    y = (x[:, :4] * torch.arange(1, 5)).argmax(dim=1)
+    out: dict[str, Any] = {"local_before": state.local_gradients}
+    for step in range(STEPS):
+        if step == WARMUP:
+            out["warmup_bytes_per_element"] = state.bytes_per_element
+            state.reset_stats()
+        idx = torch.randint(0, 256, (32,), generator=gen)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x[idx]), y[idx]).backward()
+        opt.step()
+        _assert_replicas_identical(model, world_size, step)
+    out["local_after"] = state.local_gradients
+    out["bytes_sent"], out["elements"] = state.bytes_sent, state.elements
+    out["elements_per_step"] = sum(p.numel() for p in model.parameters())
+    # Each rank keeps its own momentum once compressing: they differ across ranks.
+    out["momentum"] = torch.cat([opt.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_onebit_sgd_keeps_replicas_identical_and_sends_a_thirty_second_of_fp32(ranks, world_size: int) -> None:  # noqa: F811
+    results = ranks(_sgd_worker, world_size, 0.9)  # replicas compared after every step, in the ranks
+    first = results[0]
+    assert not first["local_before"] and first["local_after"]  # fp32 warm-up, then the optimizer's exchange
+    ring = 2 * (world_size - 1) / world_size * 4
+    assert first["warmup_bytes_per_element"] == pytest.approx(ring, rel=0.1)
+    n = first["elements_per_step"]
+    compressed = STEPS - WARMUP
+    assert first["elements"] == n * compressed
+    assert first["bytes_sent"] == compressed * 2 * (world_size - 1) * _message_bytes(n, world_size)
+    share = first["bytes_sent"] / first["elements"] / ring
+    assert 1 / 32 <= share <= 0.033, share  # signs, plus one fp32 scale per 1024 elements
+    assert not torch.equal(results[0]["momentum"], results[1]["momentum"])
+
+
+def test_onebit_sgd_is_momentum_sgd_before_compressing() -> None:
+    # No process group: during the warm-up the optimizer communicates nothing itself.
+    params = {}
+    for name in ("sgd", "onebit_sgd"):
+        model = _mlp(seed=2)
+        opt = (torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3) if name == "sgd"
+               else OneBitSGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3, warmup_steps=1000))
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(15):
+            opt.zero_grad()
+            model(torch.randn(8, 16, generator=gen)).square().mean().backward()
+            opt.step()
+        params[name] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.testing.assert_close(params["onebit_sgd"], params["sgd"])
+    state = OneBitState()
+    restored = OneBitSGD(_mlp(seed=2).parameters(), warmup_steps=10, state=state)
+    restored.load_state_dict(opt.state_dict())
+    assert restored.steps == 15 and state.local_gradients and state.payload == "momentum"
+
+
+@pytest.mark.parametrize("bad", [{"momentum": 1.0}, {"lr": -1.0}, {"warmup_steps": -1}, {"error_decay": 1.5}])
+def test_onebit_sgd_refuses_hyperparameters_out_of_range(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        OneBitSGD(_mlp().parameters(), **bad)
+
+
+# -- the trainer ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("onebit-momentum")
+    synthesize(str(root / "raw"), 12, 20.0, 4, video_dim=8, drop=0.001)
+    convert(str(root / "raw"), str(root / "data"), progress=False)
+    return root / "data"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("options", [
+    ("--optimizer", "adam", "--freeze-step", "3"),
+    ("--optimizer", "sgd", "--lr", "0.01", "--warmup-iters", "3"),
+], ids=["adam", "sgd"])
+def test_compression_onebit_exchanges_the_momentum_in_one_bit(dataset: Path, start_serve, tmp_path: Path,
+                                                             options: tuple[str, ...]) -> None:
+    server = start_serve(dataset, "--batch-size", "16")
+    metrics = tmp_path / "metrics.jsonl"
+    torchrun(server.endpoint, "--epochs", "2", "--compression", "onebit", "--metrics-json", str(metrics), *options,
+             timeout=150)
+    records = lines(metrics)
+    assert [r["epoch"] for r in records] == [0, 1]
+    # Past the warm-up (the variance frozen, for Adam) the optimizer's momentum crosses the wire,
+    # not the gradients.
+    assert {r["compression"] for r in records} == {"onebit-momentum"}
+    assert records[1]["compressed"] == "momentum"
+    share = records[1]["grad_bytes_per_element"] / (2 * (2 - 1) / 2 * 4)
+    assert 1 / 32 <= share <= 0.033, share
+    assert all(math.isfinite(r["train_loss"]) for r in records)
