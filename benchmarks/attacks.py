@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [a for a in args.attack if a not in ATTACKS]
     if unknown:
         parser.error(f"unknown attack {unknown[0]!r}; choose from {', '.join(ATTACKS)}")
-    from fuelline.server.sample import write_sample_dataset
+    from fuelline.server.sources.sample import write_sample_dataset
 
     records = []
     with tempfile.TemporaryDirectory(prefix="fuelline-attacks-") as tmp:

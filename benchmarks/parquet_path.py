@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, progress, time_batches
 from benchmarks.report import Metric, RatioSpec, build_report, environment, write_results
 from fuelline.client import ServerDataStream
-from fuelline.server.sample import write_sample_dataset
+from fuelline.server.sources.sample import write_sample_dataset
 
 __all__ = ["run", "ensure_dataset", "dataset_rows"]
 

@@ -37,7 +37,7 @@ from benchmarks.report import Metric, RatioSpec, build_report, environment, writ
 from fuelline.client import ServerDataStream
 from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.synth import synthesize
-from fuelline.server.windows.source import WindowSource
+from fuelline.server.multimodal.source import WindowSource
 
 __all__ = ["run", "ensure_dataset", "sizes"]
 

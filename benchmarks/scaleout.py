@@ -35,7 +35,7 @@ from benchmarks.report import Metric, RatioSpec, build_report, environment, serv
 from benchmarks.windows import BATCH_SIZE, HWM, QUICK_RECORDINGS, QUICK_SECONDS, RECORDINGS, SECONDS, TIMEOUT_S, ensure_raw
 from fuelline.client import ServerDataStream
 from fuelline.server.ingest.convert import convert
-from fuelline.server.windows.source import WindowSource
+from fuelline.server.multimodal.source import WindowSource
 
 __all__ = ["run"]
 

@@ -27,7 +27,7 @@ import numpy as np
 from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, process_cpu_seconds, progress
 from benchmarks.pipeline import REFERENCE_WINDOWS_PER_S, ensure_dataset, sizes
 from benchmarks.report import Metric, build_report, environment, server_cpu_ms_per_window, write_results
-from fuelline.server.windows.source import WindowSource
+from fuelline.server.multimodal.source import WindowSource
 
 __all__ = ["run"]
 

@@ -116,7 +116,7 @@ class Hello:
         heartbeat: the client's heartbeat interval in seconds.
         history: the segments of ``epoch`` already run at other world sizes, oldest first:
             (world size, batches each rank took[, stride, extra]). Empty unless a position is
-            resumed on another world size (see ``fuelline.server.ordering.remaining_order``).
+            resumed on another world size (see ``fuelline.server.sources.ordering.remaining_order``).
     """
 
     TYPE: ClassVar[str] = "hello"

@@ -17,8 +17,8 @@ from typing import Iterator
 import pytest
 import zmq
 
-from fuelline.server.sample import write_sample_dataset
-from fuelline.server.workers import WorkerPool
+from fuelline.server.sources.sample import write_sample_dataset
+from fuelline.server.workers.pool import WorkerPool
 
 READY = re.compile(r"serving on (tcp://\S+):(\d+)")
 START_DEADLINE = 30.0

@@ -4,7 +4,7 @@
 stops (``resume`` kinds: every rank stops after the same batch and new readers go on from its
 ``state_dict``) and the faults, each due after a number of batches delivered in all. ``walk`` is
 the reference the readers must match: per (job, rank, epoch) the batches that the documented order
-(``fuelline.server.ordering``) and ``load_state_dict`` give. ``check`` holds what a run saw to
+(``fuelline.server.sources.ordering``) and ``load_state_dict`` give. ``check`` holds what a run saw to
 that reference and to the bounds on the server's memory and threads.
 """
 
@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from fuelline.protocol import FingerprintMismatch
-from fuelline.server.ordering import epoch_order, rank_rows, remaining_order, rows_per_rank
+from fuelline.server.sources.ordering import epoch_order, rank_rows, remaining_order, rows_per_rank
 
 KINDS = ("kill", "other-options", "pause", "cut", "delay", "stall", "silent-peers", "hostile-peers",
          "resume", "resume-resized", "resume-epoch-end")

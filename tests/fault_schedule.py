@@ -18,7 +18,7 @@ a replay meets the same progress), after a random wait that is part of the sched
   the same world size (each from its own state) or another (each from rank 0's).
 
 The invariant: per (job, rank, epoch) the batches equal the reference, which follows the documented
-order (``fuelline.server.ordering``: the epoch's order, contiguous wrap-padded rank spans,
+order (``fuelline.server.sources.ordering``: the epoch's order, contiguous wrap-padded rank spans,
 ``remaining_order`` after a resize); apart from that, per epoch the ranks together got every id
 of the split, repeated no more than padding allows; every ``features`` row matches its id; every
 reader completed, unless a restart with other options made it raise ``FingerprintMismatch`` (then
@@ -49,7 +49,7 @@ import zmq
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import Credit, Hello, encode
-from fuelline.server.sample import expected_features, write_sample_dataset
+from fuelline.server.sources.sample import expected_features, write_sample_dataset
 
 from conftest import ServerProcess, wait_until
 from fault_plan import (CLIENT_KINDS, KINDS, RSS_BOUND_MB, THREAD_BOUND, Fault, Options, Schedule, Stop, check,

@@ -22,7 +22,7 @@ import zmq
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import Batch, Bye, Credit, Error, Heartbeat, Hello, Welcome, decode, encode
-from fuelline.server.sample import write_sample_dataset
+from fuelline.server.sources.sample import write_sample_dataset
 
 from conftest import RssSampler, wait_until
 
@@ -491,8 +491,8 @@ def test_a_request_that_fails_is_answered_and_the_server_keeps_serving(start_scr
     # 4 of them more: the 5th session's producer cannot start ("can't start new thread").
     server = start_script(SOURCE + """
 import resource
-from fuelline.server.serving import Server
-from fuelline.server.start import serve_until_signalled
+from fuelline.server.serving.server import Server
+from fuelline.server.serving.start import serve_until_signalled
 
 threading.stack_size(512 << 20)
 server = Server(Counting(), port=0, hwm=2, heartbeat=0.2, local_ipc=False)

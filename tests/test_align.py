@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fuelline.server.windows.align import Signal, WindowSpec, resample, validity
+from fuelline.server.multimodal.align import Signal, WindowSpec, resample, validity
 
 
 def probe_signal(rate: float, start: float, stop: float, *, drift_ppm: float = 0.0, jitter_s: float = 0.0,
@@ -85,7 +85,7 @@ def test_window_spec_rejects_nonsense() -> None:
 def test_resample_matches_each_window_resampled_on_its_own(nearest: bool, hop: float) -> None:
     """Windows cut from one shared grid (hop a whole number of periods) hold what resampling each
     window on its own grid gives; so do windows of a hop that is not, which take that route."""
-    from fuelline.server.windows.align import _on_grid, _shared_step
+    from fuelline.server.multimodal.align import _on_grid, _shared_step
 
     sig = probe_signal(128, 0.0, 40, drift_ppm=40, jitter_s=0.0003, nearest=nearest, seed=3)
     spec = WindowSpec(2.0, hop, 2)

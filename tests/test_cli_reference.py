@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from fuelline.server import clidoc
+from fuelline.server.cli import reference as clidoc
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_the_readme_reference_matches_the_parsers() -> None:
     text = README.read_text()
-    assert clidoc.update(text) == text, "the CLI reference is out of date: run python -m fuelline.server.clidoc README.md"
+    assert clidoc.update(text) == text, "the CLI reference is out of date: run python -m fuelline.server.cli.reference README.md"
 
 
 def test_every_option_of_serve_and_the_trainer_is_documented_with_its_meaning() -> None:

@@ -22,7 +22,7 @@ import pytest
 from fuelline.protocol import DataError
 from fuelline.server.ingest import convert as convert_module
 from fuelline.server.ingest.convert import assign_splits, convert
-from fuelline.server.ingest.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES, Manifest
+from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES, Manifest
 from fuelline.server.ingest.rawformat import CHANNELS, RawDataset, RawRecording
 
 VIDEO_DIM = 3

@@ -24,7 +24,7 @@ from fuelline.client.curve import CURVE_MISMATCH, CURVE_REFUSED, CurveKeys
 from fuelline.protocol import DataError, RemoteError, ServerUnavailable
 from fuelline.server import ParquetSource, Server
 from fuelline.server.cli import main
-from fuelline.server.keys import CurveConfig, is_loopback, keygen
+from fuelline.server.serving.keys import CurveConfig, is_loopback, keygen
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 

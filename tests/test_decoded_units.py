@@ -12,9 +12,9 @@ import pytest
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import DataError
-from fuelline.server.blocks import BlockReader
-from fuelline.server.counters import Counts
-from fuelline.server.decoded import DecodedUnits
+from fuelline.server.sources.blocks import BlockReader
+from fuelline.server.sources.counters import Counts
+from fuelline.server.cache.decoded import DecodedUnits
 from tests.test_metrics_endpoint import metrics_port, scrape
 from tests.worker_fakes import FakeUnits
 
@@ -204,7 +204,7 @@ def test_two_clients_of_a_server_share_decodes(sample_dataset: Path, start_serve
 def test_with_workers_the_budget_leaves_half_of_dev_shm(monkeypatch, caplog) -> None:
     """Units from worker processes live in /dev/shm while kept: a container's 64 MB one caps
     the budget at 32 MB, said in the log; without workers nothing is capped."""
-    from fuelline.server import handoff
+    from fuelline.server.workers import handoff
 
     monkeypatch.setattr(handoff, "shm_size", lambda: 64 * 2**20)
     with_workers = FakeUnits(workers=1, decoded_cache_mb=1024)

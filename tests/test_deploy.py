@@ -30,7 +30,7 @@ from unittest import mock
 import pytest
 
 from fuelline.server.cli import build_parser
-from fuelline.server.keys import is_loopback
+from fuelline.server.serving.keys import is_loopback
 from fuelline.trainer.cli import parse_args as parse_trainer_args
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,9 +21,9 @@ from fuelline.client import ServerDataStream
 from fuelline.protocol import Batch, FingerprintMismatch, Hello, ProtocolError, Welcome, decode, encode
 from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.synth import synthesize
-from fuelline.server.parquet_source import ParquetSource
-from fuelline.server.windows.source import WindowSource
-from fuelline.server.windows.stages import band_power
+from fuelline.server.sources.parquet import ParquetSource
+from fuelline.server.multimodal.source import WindowSource
+from fuelline.server.multimodal.stages import band_power
 
 TIMEOUT = 20.0
 ROWS = 8000  # the train split of the sample dataset: sample ids 0 … 7999
@@ -231,7 +231,7 @@ def test_window_fingerprint_holds_windowing_stages_and_data(tmp_path: Path) -> N
     ]:
         assert _differences(base, WindowSource(str(tmp_path / "data"), **options).fingerprint("train")) == [part]
     staged = WindowSource(str(tmp_path / "data"), stages=[band_power]).fingerprint("train")
-    assert staged["stages"] == "fuelline.server.windows.stages:band_power"
+    assert staged["stages"] == "fuelline.server.multimodal.stages:band_power"
     # Another conversion of the same recordings (another split seed) is another dataset.
     convert(str(tmp_path / "raw"), str(tmp_path / "other"), val_fraction=0.5, seed=1, progress=False)
     assert "manifest" in _differences(base, WindowSource(str(tmp_path / "other")).fingerprint("train"))

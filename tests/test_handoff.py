@@ -15,9 +15,9 @@ from conftest import ServerProcess, start_pool
 from worker_fakes import FakeUnits, FileSizeLimitedUnits
 
 from fuelline.client import ServerDataStream
-from fuelline.server import handoff
-from fuelline.server.sample import write_sample_dataset
-from fuelline.server.workers import WorkerPool
+from fuelline.server.workers import handoff
+from fuelline.server.sources.sample import write_sample_dataset
+from fuelline.server.workers.pool import WorkerPool
 
 TIMEOUT = 60.0
 PIPED = "decoded units come through the worker processes' pipes instead"

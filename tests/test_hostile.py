@@ -40,7 +40,7 @@ from fuelline.protocol import (
     decode,
     encode,
 )
-from fuelline.server.parquet_source import ParquetSource
+from fuelline.server.sources.parquet import ParquetSource
 
 from conftest import RssSampler, rss_mb
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from conftest import ServerProcess
 
 from fuelline.client import ServerDataStream
-from fuelline.server.local_ipc import LocalSocketDir, sweep_stale_dirs
+from fuelline.server.serving.local_ipc import LocalSocketDir, sweep_stale_dirs
 
 TIMEOUT = 20.0
 

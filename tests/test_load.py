@@ -17,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from fuelline.client import ServerDataStream
-from fuelline.server.parquet_source import ParquetSource
-from fuelline.server.sample import expected_features
+from fuelline.server.sources.parquet import ParquetSource
+from fuelline.server.sources.sample import expected_features
 
 from conftest import RssSampler
 

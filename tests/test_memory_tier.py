@@ -10,9 +10,9 @@ import zmq
 
 from conftest import wait_until
 from fuelline.protocol import Batch, Bye, Credit, Hello
-from fuelline.server.parquet_source import ParquetSource
-from fuelline.server.recent import RecentBatches
-from fuelline.server.serving import Server
+from fuelline.server.sources.parquet import ParquetSource
+from fuelline.server.cache.memory import RecentBatches
+from fuelline.server.serving.server import Server
 from test_flow_control import RawClient
 
 
@@ -104,7 +104,7 @@ class Recorded:
 
 
 def test_a_batch_changed_after_it_was_sent_is_prepared_again(zmq_context: zmq.Context, caplog) -> None:
-    from fuelline.server.fuel_source import FuelStreamSource
+    from fuelline.server.sources.fuel import FuelStreamSource
 
     stream = Recorded()
     server = Server(FuelStreamSource(stream), port=0, hwm=4, heartbeat=5.0, memory_cache=10)

@@ -10,7 +10,7 @@ import pytest
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import DataError, Hello
-from fuelline.server.ordering import rank_rows, remaining_order
+from fuelline.server.sources.ordering import rank_rows, remaining_order
 
 TIMEOUT = 20.0
 ROWS = 8000  # the train split of the sample dataset

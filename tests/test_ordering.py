@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fuelline.server.ordering import batches_per_rank, epoch_order, rank_rows
-from fuelline.server.parquet_source import ParquetSource
+from fuelline.server.sources.ordering import batches_per_rank, epoch_order, rank_rows
+from fuelline.server.sources.parquet import ParquetSource
 
 unit_lengths = st.lists(st.integers(min_value=1, max_value=50), min_size=1, max_size=30)
 

@@ -13,7 +13,7 @@ from conftest import RssSampler, ServerProcess
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import RemoteError
-from fuelline.server.fuel_source import DEFAULT_BUFFER_MB, MAX_WORLD
+from fuelline.server.sources.fuel import DEFAULT_BUFFER_MB, MAX_WORLD
 
 TIMEOUT = 30.0
 
@@ -58,7 +58,7 @@ def test_a_position_saved_after_an_epochs_last_batch_resumes_on_another_world_si
 SHUFFLED = """
 import numpy as np
 from fuelline.server import start_server
-from fuelline.server.fuel_source import FuelStreamSource
+from fuelline.server.sources.fuel import FuelStreamSource
 
 class Shuffled:
     '''Fuel's ShuffledScheme in small: every epoch draws a new permutation from one RandomState.'''

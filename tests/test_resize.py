@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fuelline.client import ServerDataStream
-from fuelline.server.ordering import rank_rows, remaining_order
+from fuelline.server.sources.ordering import rank_rows, remaining_order
 
 TIMEOUT = 20.0
 

@@ -26,14 +26,14 @@ import xxhash
 from conftest import wait_until
 from fuelline.client import ServerDataStream
 from fuelline.protocol import DataError
-from fuelline.server.cache import dataset_key
+from fuelline.server.cache.disk import dataset_key
 from fuelline.server.ingest.convert import convert
-from fuelline.server.ingest.manifest import Manifest, is_converted_dataset
+from fuelline.server.multimodal.manifest import Manifest, is_converted_dataset
 from fuelline.server.ingest.synth import synthesize
-from fuelline.server.parquet_source import ParquetSource
-from fuelline.server.sample import write_sample_dataset
-from fuelline.server.storage import Store
-from fuelline.server.windows.source import WindowSource
+from fuelline.server.sources.parquet import ParquetSource
+from fuelline.server.sources.sample import write_sample_dataset
+from fuelline.server.sources.storage import Store
+from fuelline.server.multimodal.source import WindowSource
 from s3_server import S3Bucket, s3, s3_server, start_moto  # noqa: F401  (fixtures)
 
 TIMEOUT = 30.0
@@ -369,7 +369,7 @@ def test_prefetch_runs_in_the_background_and_coalesces(sample_dataset: Path, s3:
 FETCHER = textwrap.dedent(
     """
     import json, sys, xxhash
-    from fuelline.server.storage import Store
+    from fuelline.server.sources.storage import Store
     store = Store(sys.argv[1], cache_dir=sys.argv[2])
     print("ready", flush=True)
     sys.stdin.readline()  # go

@@ -12,7 +12,7 @@ import pytest
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import ServerUnavailable
-from fuelline.server.sample import expected_features
+from fuelline.server.sources.sample import expected_features
 
 TIMEOUT = 20.0
 
@@ -68,7 +68,7 @@ def test_two_ranks_get_disjoint_halves_with_equal_batch_counts(sample_dataset: P
 
 
 def test_uneven_split_is_padded_by_wrapping(tmp_path: Path, start_serve) -> None:
-    from fuelline.server.sample import write_sample_dataset
+    from fuelline.server.sources.sample import write_sample_dataset
 
     data = tmp_path / "odd"
     write_sample_dataset(str(data), rows=1001, dim=2, files=3, row_group_rows=100, val_fraction=0.001)

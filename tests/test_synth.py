@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fuelline.server.ingest import synth
-from fuelline.server.ingest.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES
+from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES
 from fuelline.server.ingest.synth import EMOTION_PROBABILITIES, synthesize
 
 SECONDS = 20.0

@@ -198,7 +198,7 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_without_losing_a_window(datase
     torchrun(server.endpoint, *common, "--resume", nproc=1)
     before = [i for rank in range(2) for r in lines(Path(f"{log}.rank{rank}")) if r["step"] <= 4 for i in r["ids"]]
     after = [i for r in lines(Path(f"{log}.rank0")) if r["step"] > 4 for i in r["ids"]]
-    from fuelline.server.windows.source import WindowSource
+    from fuelline.server.multimodal.source import WindowSource
 
     total = WindowSource(str(dataset)).rows("train")
     assert len(set(before)) == len(before) == 2 * 4 * 8  # two ranks, four steps, eight windows

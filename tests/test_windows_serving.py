@@ -13,9 +13,9 @@ import pytest
 
 from fuelline.client import ServerDataStream
 from fuelline.server.ingest.convert import convert
-from fuelline.server.ingest.manifest import EMOTIONS, MODALITIES, Manifest
+from fuelline.server.multimodal.manifest import EMOTIONS, MODALITIES, Manifest
 from fuelline.server.ingest.synth import synthesize
-from fuelline.server.windows.source import SAMPLE_ID_STRIDE, WindowSource
+from fuelline.server.multimodal.source import SAMPLE_ID_STRIDE, WindowSource
 
 TIMEOUT = 30.0
 SOURCES = ("eeg", "ecg", "gsr", "video", "label", "sample_id", "t_start")
@@ -161,7 +161,7 @@ def test_zscore_normalises_with_train_statistics(probed: Path, start_serve) -> N
 
 
 def test_a_user_stage_runs_on_the_server(probed: Path, start_serve) -> None:
-    server = start_serve(probed, "--stage", "fuelline.server.windows.stages:band_power")
+    server = start_serve(probed, "--stage", "fuelline.server.multimodal.stages:band_power")
     with ServerDataStream(("eeg_bands", "label"), endpoints=[server.endpoint], timeout=TIMEOUT) as s:
         bands, label = next(iter(s.get_epoch_iterator()))
         assert s.schema["eeg_bands"] == {"dtype": "<f4", "shape": [14, 4]}

@@ -20,13 +20,13 @@ from worker_fakes import FakeUnits, UncopyableUnits
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import DataError
-from fuelline.server import handoff
+from fuelline.server.workers import handoff
 from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.synth import synthesize
-from fuelline.server.parquet_source import ParquetSource
-from fuelline.server.sample import write_sample_dataset
-from fuelline.server.windows.source import WindowSource
-from fuelline.server.workers import RemoteTraceback, WorkerError, WorkerPool, WorkerPoolBroken
+from fuelline.server.sources.parquet import ParquetSource
+from fuelline.server.sources.sample import write_sample_dataset
+from fuelline.server.multimodal.source import WindowSource
+from fuelline.server.workers.pool import RemoteTraceback, WorkerError, WorkerPool, WorkerPoolBroken
 
 TIMEOUT = 60.0
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fuelline.protocol import DataError
-from fuelline.server.blocks import UnitSource
+from fuelline.server.sources.blocks import UnitSource
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Callable, Hashable
 
 import numpy as np
 
-from fuelline.server.counters import Counts
+from fuelline.server.sources.counters import Counts
 
 __all__ = ["DecodedUnits"]
 

@@ -48,7 +48,7 @@ import xxhash
 from fuelline.protocol import DataError
 
 if TYPE_CHECKING:
-    from fuelline.server.storage import FileStat, Store
+    from fuelline.server.sources.storage import FileStat, Store
 
 __all__ = ["DiskCache", "dataset_key"]
 

@@ -21,14 +21,14 @@ def describe(
     """Everything ``inspect`` prints, as plain data. ``path`` may be a URI (``s3://…``); a remote
     dataset's footers are read by range, and the one recording decoded to probe the served
     columns goes through the disk cache in ``cache_dir``."""
-    from fuelline.server.ingest.manifest import is_converted_dataset
-    from fuelline.server.storage import Store
+    from fuelline.server.multimodal.manifest import is_converted_dataset
+    from fuelline.server.sources.storage import Store
 
     store = Store(path, cache_dir=cache_dir, cache_mb=cache_mb)
     disk = store.total_bytes()
     name = store.where()
     if is_converted_dataset(store):
-        from fuelline.server.windows.source import WindowSource
+        from fuelline.server.multimodal.source import WindowSource
 
         src = WindowSource(path, window=window, hop=hop, max_gap=max_gap, normalize="none", cache_dir=cache_dir, cache_mb=cache_mb)
         m = src.manifest
@@ -51,7 +51,7 @@ def describe(
             "source_bytes": m.source_bytes,
             "compression_ratio": round(m.source_bytes / disk, 2) if disk else None,
         }
-    from fuelline.server.parquet_source import ParquetSource
+    from fuelline.server.sources.parquet import ParquetSource
 
     src = ParquetSource(path, cache_dir=cache_dir, cache_mb=cache_mb)
     return {

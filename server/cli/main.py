@@ -16,7 +16,7 @@ import time
 from typing import Sequence
 
 from fuelline.protocol import DataError, FuellineError
-from fuelline.server.admission import DEFAULT_MAX_CLIENTS
+from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS
 from fuelline.server.logs import LOG_FORMATS
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -168,7 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     sample.set_defaults(func=_sample)
     stream.set_defaults(func=_stream)
     # Subcommands that live beside what they run: each module adds its parser and its function.
-    from fuelline.server import inspect, keys
+    from fuelline.server.cli import inspect
+    from fuelline.server.serving import keys
     from fuelline.server.ingest import commands as ingest_commands
 
     ingest_commands.register(sub)
@@ -183,16 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _open_source(args: argparse.Namespace):
-    from fuelline.server.ingest.manifest import is_converted_dataset
-    from fuelline.server.parquet_source import ParquetSource
+    from fuelline.server.multimodal.manifest import is_converted_dataset
+    from fuelline.server.sources.parquet import ParquetSource
 
     common = dict(batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block,
                   on_bad_shard=args.on_bad_shard, workers=args.workers, prefetch=args.prefetch,
                   decoded_cache_mb=args.decoded_cache_mb, worker_timeout=args.worker_timeout,
                   cache_dir=args.cache_dir, cache_mb=args.cache_mb)
     if is_converted_dataset(args.dataset):
-        from fuelline.server.windows.source import WindowSource
-        from fuelline.server.windows.stages import load_stage
+        from fuelline.server.multimodal.source import WindowSource
+        from fuelline.server.multimodal.stages import load_stage
 
         stages = [load_stage(spec) for spec in args.stage]
         return WindowSource(
@@ -212,9 +213,9 @@ def _describe(info: dict) -> str:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from fuelline.server.keys import CurveConfig, is_loopback
-    from fuelline.server.serving import Server
-    from fuelline.server.start import serve_until_signalled
+    from fuelline.server.serving.keys import CurveConfig, is_loopback
+    from fuelline.server.serving.server import Server
+    from fuelline.server.serving.start import serve_until_signalled
 
     if not args.curve_keys and not args.insecure and not is_loopback(args.host):
         raise DataError(
@@ -243,7 +244,7 @@ def _serve(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise DataError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
     if args.metrics_port is not None:
-        from fuelline.server.metrics import serve_metrics
+        from fuelline.server.serving.metrics import serve_metrics
 
         try:
             serve_metrics(server, args.metrics_port, args.metrics_host)
@@ -257,7 +258,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from fuelline.server.sample import write_sample_dataset
+    from fuelline.server.sources.sample import write_sample_dataset
 
     counts = write_sample_dataset(args.out, rows=args.rows, dim=args.dim, files=args.files, row_group_rows=args.row_group_rows)
     print(f"wrote {args.out}: " + ", ".join(f"{k} {v} rows" for k, v in counts.items()))

@@ -1,6 +1,6 @@
 """``fuelline convert RAW DATASET``: raw TSV recordings to a Parquet dataset with a manifest.
 
-The layout written is the one ``fuelline.server.ingest.manifest`` describes: per modality, one
+The layout written is the one ``fuelline.server.multimodal.manifest`` describes: per modality, one
 Parquet file per shard of ``recordings_per_shard`` recordings, one row group per recording, so a
 server can read any one recording's samples of any one device with a single row-group read.
 
@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from fuelline.protocol import DataError
-from fuelline.server.ingest.manifest import EMOTIONS, MANIFEST_NAME, MODALITIES, Manifest, Modality, Placement, Recording
+from fuelline.server.multimodal.manifest import EMOTIONS, MANIFEST_NAME, MODALITIES, Manifest, Modality, Placement, Recording
 from fuelline.server.ingest.rawformat import RawDataset, RawRecording, Signal, check_same_channels
 
 __all__ = ["convert", "assign_splits", "register", "run"]

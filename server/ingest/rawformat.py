@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pcsv
 
 from fuelline.protocol import DataError
-from fuelline.server.ingest.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES
+from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES
 
 __all__ = [
     "RECORDINGS_FILE",

@@ -42,7 +42,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from fuelline.server.ingest.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES
+from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES
 
 __all__ = ["EMOTION_PROBABILITIES", "channel_names", "synthesize", "register", "run"]
 

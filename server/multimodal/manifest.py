@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from fuelline.protocol import DataError
 
 if TYPE_CHECKING:
-    from fuelline.server.storage import Store
+    from fuelline.server.sources.storage import Store
 
 __all__ = [
     "FORMAT",
@@ -190,7 +190,7 @@ class Manifest:
     @classmethod
     def load(cls, root: "str | Store") -> "Manifest":
         """The manifest of a dataset: a local path, a URI (``s3://…``) or a ``Store``."""
-        from fuelline.server.storage import Store
+        from fuelline.server.sources.storage import Store
 
         store = root if isinstance(root, Store) else Store(root)
         path = store.where(MANIFEST_NAME)
@@ -212,7 +212,7 @@ def is_converted_dataset(path: "str | Store") -> bool:
         DataError: a remote dataset's filesystem cannot be resolved or reached (naming the URI),
             rather than answering False and failing again, slower, as a Parquet dataset.
     """
-    from fuelline.server.storage import Store, is_uri
+    from fuelline.server.sources.storage import Store, is_uri
 
     if isinstance(path, str) and not is_uri(path):
         return os.path.isfile(os.path.join(path, MANIFEST_NAME))

@@ -22,12 +22,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError
-from fuelline.server.blocks import UnitSource
-from fuelline.server.fingerprint import callable_name, digest, files_part, skipped_summary, text_part, unit_parts
-from fuelline.server.storage import Store, storage_info
-from fuelline.server.ingest.manifest import MODALITIES, Manifest, Recording
-from fuelline.server.windows.align import Signal, Validity, WindowSpec, resample, validity
-from fuelline.server.windows.stages import Cast, Normalize, Pipeline, Stage
+from fuelline.server.sources.blocks import UnitSource
+from fuelline.server.sources.fingerprint import callable_name, digest, files_part, skipped_summary, text_part, unit_parts
+from fuelline.server.sources.storage import Store, storage_info
+from fuelline.server.multimodal.manifest import MODALITIES, Manifest, Recording
+from fuelline.server.multimodal.align import Signal, Validity, WindowSpec, resample, validity
+from fuelline.server.multimodal.stages import Cast, Normalize, Pipeline, Stage
 
 __all__ = ["WindowSource", "SAMPLE_ID_STRIDE"]
 
@@ -72,14 +72,14 @@ class WindowSource(UnitSource):
 
     Args:
         path: the dataset root (holding manifest.json): a local path or a URI such as
-            ``s3://bucket/prefix`` (see ``fuelline.server.storage``).
-        window, hop, max_gap: see ``fuelline.server.windows.align``.
+            ``s3://bucket/prefix`` (see ``fuelline.server.sources.storage``).
+        window, hop, max_gap: see ``fuelline.server.multimodal.align``.
         normalize: "zscore" (per channel, train-split statistics) or "none".
         stages: user stages run on every batch after normalisation (see ``stages``).
         batch_size, seed, shuffle, block_units: as for every unit source.
         workers, prefetch, decoded_cache_mb, worker_timeout: as for every unit source
-            (``fuelline.server.blocks.UnitSource``).
-        cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache``).
+            (``fuelline.server.sources.blocks.UnitSource``).
+        cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache.disk``).
     """
 
     _serving_only = ("pipeline",)  # the per-batch stages run here, never in worker processes
@@ -294,7 +294,7 @@ class WindowSource(UnitSource):
         }
 
     def fingerprint(self, split: str) -> dict[str, str]:
-        """What decides the sequence of a split (see ``fuelline.server.fingerprint``): the
+        """What decides the sequence of a split (see ``fuelline.server.sources.fingerprint``): the
         manifest's content and format, the split's shards (relative names, sizes) and recordings,
         the windowing, normalisation and stages, seed, batch size and shuffle."""
         return dict(self._fingerprints[split])

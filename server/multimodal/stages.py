@@ -2,7 +2,7 @@
 row per window) and returns a batch.
 
 The pipeline of a window source is: align, window and ``Normalize`` (per recording, on the
-read-ahead threads: ``fuelline.server.windows.align``), then per batch: the user's stages, in the
+read-ahead threads: ``fuelline.server.multimodal.align``), then per batch: the user's stages, in the
 order given → ``Cast``.
 A user stage is any callable ``f(batch) -> batch`` named as ``module:function`` on the command
 line (``fuelline serve DATASET --stage mypkg.features:band_power``); it may replace, add or drop
@@ -106,11 +106,17 @@ class Pipeline:
         return batch
 
 
+_MOVED = {"fuelline.server.windows.stages": __name__}
+
+
 def load_stage(spec: str) -> Stage:
     """Import ``module:function`` (the value of a ``--stage`` option)."""
     module_name, sep, attr = spec.partition(":")
+    # The example stages lived in ``fuelline.server.windows.stages`` before the server's modules were
+    # grouped by concern; command lines and unit files written then keep working.
+    module_name = _MOVED.get(module_name, module_name)
     if not sep or not module_name or not attr:
-        raise DataError(f"--stage {spec!r}: expected MODULE:FUNCTION, e.g. fuelline.server.windows.stages:band_power")
+        raise DataError(f"--stage {spec!r}: expected MODULE:FUNCTION, e.g. fuelline.server.multimodal.stages:band_power")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

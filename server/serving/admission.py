@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Collection, Iterable
 
 if TYPE_CHECKING:  # (the CLI reads the defaults here without loading the serving side)
-    from fuelline.server.session import Session
+    from fuelline.server.serving.session import Session
 
 __all__ = ["DEFAULT_MAX_CLIENTS", "Admission", "Verdict", "default_per_peer", "default_max_heartbeat", "peer_of"]
 

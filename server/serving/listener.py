@@ -1,7 +1,7 @@
 """A data server's socket side: the ROUTER and its options, CURVE, where it listens (TCP, and a
 Unix socket for clients on this host), the pipe that wakes its loop, and its lifecycle.
 
-``fuelline.server.serving.Server`` is the loop that serves on it.
+``fuelline.server.serving.server.Server`` is the loop that serves on it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any, Callable, TypeVar
 import zmq
 
 from fuelline.protocol import DataError
-from fuelline.server.inbound import MAX_INBOUND_BYTES
-from fuelline.server.keys import CurveConfig, is_loopback, start_authenticator
-from fuelline.server.local_ipc import LocalSocketDir
+from fuelline.server.serving.inbound import MAX_INBOUND_BYTES
+from fuelline.server.serving.keys import CurveConfig, is_loopback, start_authenticator
+from fuelline.server.serving.local_ipc import LocalSocketDir
 
 __all__ = ["Listener", "CONTROL_MESSAGES"]
 

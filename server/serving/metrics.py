@@ -38,7 +38,7 @@ TIERS = ("memory", "decoded", "disk")
 
 
 class ServerCollector:
-    """Reads a ``fuelline.server.serving.Server`` at scrape time."""
+    """Reads a ``fuelline.server.serving.server.Server`` at scrape time."""
 
     def __init__(self, server: Any) -> None:
         self.server = server

@@ -6,10 +6,10 @@ it has not heard from for three of their heartbeat intervals. Producer threads w
 pipe, so a batch that becomes ready is sent at once, not at the next poll timeout.
 
 Whatever peers send or claim, the server's own caps bound what they cost: sessions in all and per
-address (``fuelline.server.admission``), the heartbeat interval a client may claim, the credit it
+address (``fuelline.server.serving.admission``), the heartbeat interval a client may claim, the credit it
 may grant (``Session.grant``), what libzmq queues to a peer that does not read (SNDHWM: hwm
 batches and a few control messages), and what a request costs before it is refused
-(``fuelline.server.inbound``). Anything that goes wrong with one request or one session is answered,
+(``fuelline.server.serving.inbound``). Anything that goes wrong with one request or one session is answered,
 logged with the peer, and the loop goes on serving the others.
 """
 
@@ -39,14 +39,14 @@ from fuelline.protocol import (
     Welcome,
     encode,
 )
-from fuelline.server.admission import DEFAULT_MAX_CLIENTS, LOCAL, Admission, default_max_heartbeat, peer_of
-from fuelline.server.inbound import decode_request
-from fuelline.server.keys import CurveConfig
-from fuelline.server.listener import Listener
-from fuelline.server.recent import RecentBatches
-from fuelline.server.session import Session
-from fuelline.server.sources import BatchSource
-from fuelline.server.status import StatusLine, counters
+from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS, LOCAL, Admission, default_max_heartbeat, peer_of
+from fuelline.server.serving.inbound import decode_request
+from fuelline.server.serving.keys import CurveConfig
+from fuelline.server.serving.listener import Listener
+from fuelline.server.cache.memory import RecentBatches
+from fuelline.server.serving.session import Session
+from fuelline.server.sources.contract import BatchSource
+from fuelline.server.serving.status import StatusLine, counters
 
 __all__ = ["Server"]
 
@@ -76,9 +76,9 @@ class Server(Listener):
             needs ``curve``: an open port would serve the data to anyone who reaches it.
         memory_cache: the last K batches sent to each client are kept (with those prepared ahead
             of them), so a reconnecting client gets them without recomputation
-            (``fuelline.server.recent``); 0 keeps none.
+            (``fuelline.server.cache.memory``); 0 keeps none.
         max_clients: most sessions at once; a Hello beyond is refused (``ErrorCode.BUSY``), unless
-            a session whose client never granted credit can make room (``fuelline.server.admission``).
+            a session whose client never granted credit can make room (``fuelline.server.serving.admission``).
         max_clients_per_peer: most sessions from one peer address (ipc clients share one);
             None: all but an eighth of ``max_clients``.
         max_client_heartbeat: the longest heartbeat interval a client may claim (a longer one is
@@ -170,7 +170,7 @@ class Server(Listener):
     def _drain_requests(self, router: zmq.Socket) -> None:
         for _ in range(1000):  # bounded, so a flood cannot starve sending
             try:
-                # Not copied: a request is judged by its header first (fuelline.server.inbound).
+                # Not copied: a request is judged by its header first (fuelline.server.serving.inbound).
                 frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return

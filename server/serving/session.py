@@ -25,8 +25,8 @@ from typing import Any, Callable, Iterator
 from fuelline.protocol import Batch, DataError, EndOfEpoch, Error, ErrorCode, Hello, ProtocolError, encode
 from fuelline.protocol.arrays import wire_array
 from fuelline.protocol.codec import batch_checksums
-from fuelline.server.recent import RecentBatches
-from fuelline.server.sources import BatchSource
+from fuelline.server.cache.memory import RecentBatches
+from fuelline.server.sources.contract import BatchSource
 
 __all__ = ["Session"]
 

@@ -7,10 +7,10 @@ import sys
 import threading
 from typing import Any
 
-from fuelline.server.admission import DEFAULT_MAX_CLIENTS
-from fuelline.server.fuel_source import DEFAULT_BUFFER_MB, FuelStreamSource
-from fuelline.server.keys import CurveConfig
-from fuelline.server.serving import Server
+from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS
+from fuelline.server.sources.fuel import DEFAULT_BUFFER_MB, FuelStreamSource
+from fuelline.server.serving.keys import CurveConfig
+from fuelline.server.serving.server import Server
 
 __all__ = ["start_server", "serve_until_signalled"]
 
@@ -66,9 +66,9 @@ def start_server(
         insecure: allow a ``host`` other than loopback without ``curve_keys`` (refused otherwise:
             anyone who reaches the port would read the data).
         max_clients: most client sessions at once; a Hello beyond is refused as busy
-            (``fuelline.server.admission``).
+            (``fuelline.server.serving.admission``).
         buffer_mb: a Fuel stream is read once per epoch and its batches shared by every rank
-            and reconnect, kept within this many MB (``fuelline.server.fuel_source``); a rank that
+            and reconnect, kept within this many MB (``fuelline.server.sources.fuel``); a rank that
             falls further behind reads the stream again on its own, which a stream that shuffles
             differently on every call refuses with an error naming this option.
     """

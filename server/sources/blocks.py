@@ -1,12 +1,12 @@
 """Serving units of rows (row groups, recordings) in epoch order, a block at a time.
 
 ``UnitSource`` is the part every unit-based source shares: the epoch plan (see
-``fuelline.server.ordering``), sharding, batch counts, and a per-client ``BlockReader`` that
+``fuelline.server.sources.ordering``), sharding, batch counts, and a per-client ``BlockReader`` that
 decodes whole blocks of units ahead of need. A source supplies how many rows each unit has and how
 to decode one unit into column arrays.
 
 Units are decoded on read-ahead threads of the serving process (``workers=0``) or, with
-``workers=N``, in N worker processes (``fuelline.server.workers``) that get a pickled copy of the
+``workers=N``, in N worker processes (``fuelline.server.workers.pool``) that get a pickled copy of the
 source: ``__getstate__`` leaves out what belongs to the serving process alone.
 """
 
@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Se
 import numpy as np
 
 from fuelline.protocol import DataError
-from fuelline.server.counters import Counts
-from fuelline.server.decoded import DecodedUnits
-from fuelline.server.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows, remaining_order
+from fuelline.server.sources.counters import Counts
+from fuelline.server.cache.decoded import DecodedUnits
+from fuelline.server.sources.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows, remaining_order
 
 if TYPE_CHECKING:
-    from fuelline.server.workers import WorkerPool
+    from fuelline.server.workers.pool import WorkerPool
 
 __all__ = ["Column", "UnitSource", "BlockReader"]
 
@@ -51,10 +51,10 @@ class UnitSource(abc.ABC):
     (name -> column with ``to_schema()``, in serving order) and ``_splits`` (name -> split).
 
     Options every unit source takes:
-        workers: processes that decode units (``fuelline.server.workers``); 0: read-ahead threads.
+        workers: processes that decode units (``fuelline.server.workers.pool``); 0: read-ahead threads.
         prefetch: blocks ahead whose remote files are fetched into the disk cache in the background.
         decoded_cache_mb: decoded units kept in memory for every reader to share
-            (``fuelline.server.decoded``); 0 for none.
+            (``fuelline.server.cache.decoded``); 0 for none.
         worker_timeout: seconds a worker process may spend on one unit before its watchdog stops
             it; 0 for no limit.
     """
@@ -66,7 +66,7 @@ class UnitSource(abc.ABC):
     _serving_only: tuple[str, ...] = ()
     _TRANSIENT = ("_pool", "_pool_lock", "_process_pool", "_decoded")
     immutable_batches = True  # batches are never written once yielded (the memory tier keeps them as they are)
-    store: Any = None  # where a subclass reads its files (fuelline.server.storage.Store), if it has one
+    store: Any = None  # where a subclass reads its files (fuelline.server.sources.storage.Store), if it has one
 
     def __init__(
         self, *, batch_size: int, seed: int, shuffle: bool, block_units: int, on_bad_shard: str = "fail",
@@ -189,7 +189,7 @@ class UnitSource(abc.ABC):
 
     def _worker_pool(self) -> WorkerPool:
         """The worker processes, one pool for every client, started on first use."""
-        from fuelline.server.workers import WorkerError, WorkerPool
+        from fuelline.server.workers.pool import WorkerError, WorkerPool
 
         with self._pool_lock:
             if self._process_pool is None:
@@ -227,7 +227,7 @@ class UnitSource(abc.ABC):
         the units they decode stay for as long as they are kept."""
         budget = self.decoded_cache_mb * 2**20
         if self.workers:
-            from fuelline.server import handoff
+            from fuelline.server.workers import handoff
 
             room = handoff.shm_size()
             if room is not None and budget > room // 2:

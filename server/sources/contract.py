@@ -2,9 +2,9 @@
 
 A source knows its sources (the arrays of a batch), its splits, and can produce batch ``start``,
 ``start + 1``... of any epoch for any rank, deterministically. Two implementations:
-``fuelline.server.parquet_source.ParquetSource``, the aligned windows of a converted multimodal
-dataset (``fuelline.server.windows.source.WindowSource``) and, for any Fuel-style stream,
-``fuelline.server.fuel_source.FuelStreamSource``.
+``fuelline.server.sources.parquet.ParquetSource``, the aligned windows of a converted multimodal
+dataset (``fuelline.server.multimodal.source.WindowSource``) and, for any Fuel-style stream,
+``fuelline.server.sources.fuel.FuelStreamSource``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class BatchSource(Protocol):
         position means (files, seed, batch size, shuffle, windowing, stages...), and nothing that
         does not (workers, caches, where the files are mounted). Clients refuse a server whose
         fingerprint differs from the one their position was read under, naming the part. See
-        ``fuelline.server.fingerprint``."""
+        ``fuelline.server.sources.fingerprint``."""
 
     def batches_per_epoch(self, split: str, rank: int, world_size: int) -> int | None:
         """Batches each rank gets per epoch, or None if unknown until the epoch ends."""

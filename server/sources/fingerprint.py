@@ -21,11 +21,11 @@ import hashlib
 import json
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from fuelline.server.storage import FileStat
+from fuelline.server.sources.storage import FileStat
 
 __all__ = ["ORDER_VERSION", "digest", "files_part", "unit_parts", "callable_name", "text_part", "skipped_summary"]
 
-# What ``fuelline.server.ordering`` makes of the same inputs; a change there that moves rows to
+# What ``fuelline.server.sources.ordering`` makes of the same inputs; a change there that moves rows to
 # other positions changes this, so a client never joins an old position to a new order.
 ORDER_VERSION = "1"
 SHOWN_SKIPPED = 5  # shards or recordings left out that a Welcome lists; the log names every one

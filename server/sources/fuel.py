@@ -1,6 +1,6 @@
 """Serve any Fuel-style stream: an object with ``.sources`` and ``.get_epoch_iterator()``.
 
-The ranks of an epoch share one pass over the stream (``fuelline.server.fuel_epochs``): the server
+The ranks of an epoch share one pass over the stream (``fuelline.server.sources.fuel_epochs``): the server
 calls ``get_epoch_iterator()`` once per (split, epoch), so a stream that shuffles differently on
 every call still gives every rank, and every client that reconnects, its share of one order.
 Batch i of the pass goes to rank i mod world_size. So that every rank gets the same number of
@@ -18,7 +18,7 @@ import numpy as np
 
 from fuelline.protocol import DataError
 from fuelline.protocol.messages import MAX_HISTORY_WORLD
-from fuelline.server.fuel_epochs import SharedEpochs
+from fuelline.server.sources.fuel_epochs import SharedEpochs
 
 __all__ = ["FuelStreamSource", "MAX_WORLD", "DEFAULT_BUFFER_MB"]
 

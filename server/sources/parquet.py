@@ -2,8 +2,8 @@
 
 Layout of a dataset directory: either Parquet files directly inside it (one split, ``train``), or
 one subdirectory per split (``train/``, ``val/``...) holding Parquet files. Numeric and
-fixed-size-list columns become sources (see ``fuelline.server.columns``). A unit of reading is one
-row group; the order of an epoch is ``fuelline.server.ordering.epoch_order``.
+fixed-size-list columns become sources (see ``fuelline.server.sources.columns``). A unit of reading is one
+row group; the order of an epoch is ``fuelline.server.sources.ordering.epoch_order``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError
-from fuelline.server.columns import ColumnSpec, column_spec, to_numpy
-from fuelline.server.blocks import UnitSource
-from fuelline.server.fingerprint import files_part, skipped_summary, unit_parts
-from fuelline.server.storage import Store, storage_info
+from fuelline.server.sources.columns import ColumnSpec, column_spec, to_numpy
+from fuelline.server.sources.blocks import UnitSource
+from fuelline.server.sources.fingerprint import files_part, skipped_summary, unit_parts
+from fuelline.server.sources.storage import Store, storage_info
 
 __all__ = ["ParquetSource", "find_splits"]
 
@@ -86,15 +86,15 @@ class ParquetSource(UnitSource):
 
     Args:
         path: the dataset directory (or one .parquet file): a local path or a URI such as
-            ``s3://bucket/prefix`` (see ``fuelline.server.storage``).
+            ``s3://bucket/prefix`` (see ``fuelline.server.sources.storage``).
         batch_size: rows per batch; the last batch of an epoch may be shorter.
         seed: seeds every epoch's order together with the epoch number.
         shuffle: False serves rows in storage order.
         block_units: row groups whose rows are mixed together (bounds memory per client to
             ``2 × block_units + 1`` decoded row groups).
         workers, prefetch, decoded_cache_mb, worker_timeout: as for every unit source
-            (``fuelline.server.blocks.UnitSource``).
-        cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache``).
+            (``fuelline.server.sources.blocks.UnitSource``).
+        cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache.disk``).
 
     Raises:
         DataError: the path holds no Parquet, files disagree on a column's type, a split is empty.
@@ -226,7 +226,7 @@ class ParquetSource(UnitSource):
         }
 
     def fingerprint(self, split: str) -> dict[str, str]:
-        """What decides the sequence of a split (see ``fuelline.server.fingerprint``): its files
+        """What decides the sequence of a split (see ``fuelline.server.sources.fingerprint``): its files
         (relative names, sizes, mtimes), seed, batch size and shuffle."""
         return dict(self._fingerprints[split])
 

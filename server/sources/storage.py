@@ -9,7 +9,7 @@ only through a ``Store``, so they need not know which it is:
   without fetching the whole object;
 * ``open_local``: a local memory map of a whole file, for decoding. For a local dataset it is the
   file itself (no copy, exactly what the sources did before remote datasets existed); for a
-  remote one it is the copy in the disk cache (``fuelline.server.cache``), fetched on first use.
+  remote one it is the copy in the disk cache (``fuelline.server.cache.disk``), fetched on first use.
 
 S3 settings: credentials, region and endpoint come from the usual AWS environment variables
 (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_DEFAULT_REGION``,
@@ -344,7 +344,7 @@ class Store:
     def _disk(self) -> Any:
         with self._lock:
             if self._cache is None:
-                from fuelline.server.cache import DiskCache
+                from fuelline.server.cache.disk import DiskCache
 
                 self._cache = DiskCache(self, self.cache_dir, int(self.cache_mb * 1_000_000))
             return self._cache

@@ -1,8 +1,8 @@
-"""The body of a worker process of ``fuelline.server.workers.WorkerPool``.
+"""The body of a worker process of ``fuelline.server.workers.pool.WorkerPool``.
 
 A worker unpickles its copy of the source, says it is ready, then answers one task at a time:
 ``(task id, split, unit, columns, path)``. It decodes the unit and writes the arrays to ``path``
-(``fuelline.server.handoff``), answering ``("done", task id, written, layout, counts)``. When the
+(``fuelline.server.workers.handoff``), answering ``("done", task id, written, layout, counts)``. When the
 file cannot be written (no hand-off folder: ``path`` None; a full /dev/shm; any OSError), the
 arrays themselves go through the pipe: ``("inline", task id, arrays, why, counts)``; a server
 short of shared memory is slower, never failing. A failure is ``("failed", task id, is a
@@ -25,7 +25,7 @@ from collections import Counter
 from multiprocessing.connection import Connection
 
 from fuelline.protocol import DataError
-from fuelline.server import handoff
+from fuelline.server.workers import handoff
 
 __all__ = ["worker_main"]
 

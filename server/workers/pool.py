@@ -10,10 +10,10 @@ How:
     of the source (``UnitSource.__getstate__`` leaves out pools, locks and caches). Pickle is safe
     here: it only ever crosses from this process to its own children and back, never a network.
   * A task is one unit: ``source.decode_unit(split, u, columns)``. The arrays come back through a
-    shared-memory file (``fuelline.server.handoff``), the pipe carries only their layout, the
+    shared-memory file (``fuelline.server.workers.handoff``), the pipe carries only their layout, the
     worker's counter increments and, for a failure, the exception's message and traceback. Where
     no such file can be written (a full /dev/shm), the arrays come through the pipe (logged once).
-    The worker's side is ``fuelline.server.worker_process``.
+    The worker's side is ``fuelline.server.workers.child``.
   * One dispatcher thread owns the pipes: it hands queued tasks to idle workers and waits on every
     worker's pipe and process sentinel at once, so a worker that dies (signal, segfault,
     ``os._exit``, the OOM killer) is noticed at once, never waited on silently. The dispatcher logs
@@ -29,7 +29,7 @@ How:
     are and exits: a hang is reported and handled like a death, never a silent stall.
 
 This module hands tasks out and reads the answers; starting, replacing and stopping the
-processes is ``fuelline.server.worker_supervision``.
+processes is ``fuelline.server.workers.supervision``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from multiprocessing.connection import wait
 from typing import Any, Sequence
 
 from fuelline.protocol import DataError
-from fuelline.server import handoff
-from fuelline.server.worker_supervision import (
+from fuelline.server.workers import handoff
+from fuelline.server.workers.supervision import (
     CRASH_SIGNALS as CRASH_SIGNALS,  # (re-exported: it was defined here)
     WorkerError,
     WorkerPoolBroken,

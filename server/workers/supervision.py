@@ -5,7 +5,7 @@ A worker that dies (a signal, a segfault, ``os._exit``, the OOM killer, or its w
 twice fails with a DataError naming it, and fails at once from then on. More than
 ``max_restarts`` restarts within ``restart_window`` seconds break the pool: every pending and
 later task fails with ``WorkerPoolBroken`` and the reason, rather than a crash loop spinning.
-``fuelline.server.workers`` has the whole design; this is the half that deals with processes,
+``fuelline.server.workers.pool`` has the whole design; this is the half that deals with processes,
 the other hands tasks out and reads the answers.
 """
 
@@ -23,8 +23,8 @@ from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
 from fuelline.protocol import DataError, FuellineError
-from fuelline.server import handoff
-from fuelline.server.worker_process import worker_main
+from fuelline.server.workers import handoff
+from fuelline.server.workers.child import worker_main
 
 __all__ = ["CRASH_SIGNALS", "WorkerError", "WorkerPoolBroken", "WorkerSupervision", "describe_exit"]
 
