@@ -11,8 +11,7 @@ ZeroMQ refuses a client during the handshake, before any fuelline message, so a 
 would only see silence. ``HandshakeWatch`` reads the socket's monitor events instead: a refused
 key or a CURVE/plain mismatch fails at once, and other failed handshakes are named when the
 client gives up. The same events tell a refused TCP connection (nothing listens at the port)
-from a server that accepted it and stays silent. The key-file loader lives here because both
-sides need it and the client must not import the server.
+from a server that accepted it and stays silent.
 """
 
 from __future__ import annotations
@@ -22,14 +21,12 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Union
 
 import zmq
-import zmq.auth
-from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from fuelline.protocol import DataError, RemoteError
+from fuelline.protocol import RemoteError
+from fuelline.protocol.common.keyfiles import PathLike, check_key, load_key_file, require_curve
 
 __all__ = [
     "CurveKeys", "HandshakeWatch", "load_key_file", "check_key", "require_curve", "CURVE_REFUSED", "CURVE_MISMATCH",
@@ -40,57 +37,6 @@ log = logging.getLogger("fuelline.client")
 # RemoteError codes for refusals that happen in the ZeroMQ handshake, not in a fuelline Error.
 CURVE_REFUSED = "curve-refused"  # the server's authenticator refused this client's key
 CURVE_MISMATCH = "curve-mismatch"  # one side uses CURVE and the other does not
-
-PathLike = Union[str, "os.PathLike[str]"]
-
-
-def require_curve() -> None:
-    """Raises DataError where libzmq cannot do CURVE."""
-    if not zmq.has("curve"):
-        raise DataError(f"this libzmq ({zmq.zmq_version()}) was built without CURVE support; install pyzmq's wheel")
-
-
-def check_key(owner: str, name: str, value: object) -> None:
-    """Raises ValueError unless ``value`` is a CURVE key as Z85 text (40 bytes): what
-    ``load_certificate`` returns and what libzmq's options take."""
-    if not isinstance(value, bytes) or len(value) != 40:
-        # (never the value in the message: it may be a secret key)
-        size = f" of length {len(value)}" if isinstance(value, (bytes, str)) else ""
-        raise ValueError(f"{owner}.{name} must be a CURVE key as 40 bytes of Z85 text, got {type(value).__name__}{size}")
-    try:
-        z85.decode(value)
-    except Exception:
-        raise ValueError(f"{owner}.{name} is not Z85 text") from None
-
-
-def load_key_file(path: PathLike, *, secret: bool = False) -> tuple[bytes, bytes | None]:
-    """The (public, secret) keys of a ZeroMQ certificate file; secret is None in a public one.
-
-    Raises:
-        DataError: the file is missing or unreadable, holds no key, or (``secret=True``) no secret
-            key; the message names the file.
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise DataError(f"CURVE key file {path} does not exist (`fuelline keygen` writes key files)")
-    try:
-        public, secret_key = zmq.auth.load_certificate(path)
-    except (OSError, ValueError, UnicodeError) as exc:
-        raise DataError(f"cannot read CURVE key file {path}: {exc}") from None
-    for name, key in (("public", public), ("secret", secret_key)):
-        if key is not None:
-            try:
-                check_key("key", name, key)
-            except ValueError:
-                raise DataError(f"CURVE key file {path}: its {name} key is not a 40-character Z85 key") from None
-    if secret:
-        if secret_key is None:
-            raise DataError(f"CURVE key file {path} holds no secret key (give the .key_secret file)")
-        mode = os.stat(path).st_mode & 0o777
-        if mode & 0o077:
-            log.warning("CURVE secret key %s can be read by others (mode %o); chmod 600 it", path, mode)
-    return public, secret_key
-
 
 @dataclass(frozen=True)
 class CurveKeys:

@@ -13,17 +13,10 @@ from fuelline.client.checkpoint import STATE_FORMAT as STATE_FORMAT  # (re-expor
 from fuelline.client.checkpoint import position_state, resume_from
 from fuelline.client.connection import Connection, Item
 from fuelline.client.curve import CurveKeys
+from fuelline.protocol.common.endpoints import tcp_endpoint
 from fuelline.protocol import DEFAULT_LIMITS, DataError, FingerprintMismatch, Hello, Limits, ProtocolError, ReceiveTimeout
 
 __all__ = ["ServerDataStream"]
-
-
-def _tcp_endpoint(text: str) -> str:
-    host, _, port = text.strip().rpartition(":")
-    host = host.strip("[]")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"endpoint {text!r} is not HOST:PORT")
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -122,7 +115,7 @@ class ServerDataStream:
             endpoints = [e for e in endpoints.split(",") if e]
         if not endpoints:
             raise ValueError("endpoints must name at least one HOST:PORT")
-        self.endpoints = tuple(_tcp_endpoint(e) for e in endpoints)
+        self.endpoints = tuple(tcp_endpoint(e) for e in endpoints)
         if len(set(self.endpoints)) != len(self.endpoints):
             raise ValueError(f"endpoints {list(endpoints)} name a server twice")
         self.endpoint = self.endpoints[0]

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fuelline.server.cli import ingest as ingest_cli
 from fuelline.server.ingest import synth
 from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES
 from fuelline.server.ingest.synth import EMOTION_PROBABILITIES, synthesize
@@ -315,7 +316,7 @@ def test_cli_refuses_an_existing_out(tmp_path):
 )
 def test_options_are_validated_by_name(option, value, capsys):
     parser = argparse.ArgumentParser(prog="fuelline")
-    synth.register(parser.add_subparsers(dest="command"))
+    ingest_cli.register_synth(parser.add_subparsers(dest="command"))
     args = ["synth", "out", "--recordings", "1", "--seconds", "1", "--seed", "0", option, value]
     with pytest.raises(SystemExit) as exc:
         parser.parse_args(args)
@@ -325,12 +326,12 @@ def test_options_are_validated_by_name(option, value, capsys):
 
 def test_good_options_reach_run(tmp_path):
     parser = argparse.ArgumentParser(prog="fuelline")
-    synth.register(parser.add_subparsers(dest="command"))
+    ingest_cli.register_synth(parser.add_subparsers(dest="command"))
     args = parser.parse_args([
         "synth", "out", "--recordings", "2", "--seconds", "1.5", "--seed", "9",
         "--video-dim", "3", "--drop", "0", "--jitter-ms", "0.1", "--probe",
     ])
-    assert args.func is synth.run
+    assert args.func is ingest_cli.run_synth
     assert (args.recordings, args.seconds, args.seed, args.video_dim, args.drop, args.jitter_ms, args.probe) == (
         2, 1.5, 9, 3, 0.0, 0.1, True)
 

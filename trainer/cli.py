@@ -6,6 +6,8 @@ import argparse
 import re
 from typing import Sequence
 
+from fuelline.protocol.common.endpoints import parse_host_port
+
 __all__ = ["build_parser", "parse_args"]
 
 
@@ -64,8 +66,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     servers = [s for s in args.servers.split(",") if s]
     for server in servers:
-        host, _, port = server.rpartition(":")
-        if not host or not port.isdigit():
+        try:
+            parse_host_port(server)
+        except ValueError:
             p.error(f"--servers: {server!r} is not HOST:PORT")
     if not servers or len(set(servers)) != len(servers):
         p.error(f"--servers: give each data server once, got {args.servers!r}")

@@ -374,7 +374,7 @@ class Trainer:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from fuelline.server.logs import configure_logging
+    from fuelline.protocol.common.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
     rank, world, device = setup_distributed()

@@ -40,17 +40,14 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator, Protocol
 
 import pyarrow as pa
 import xxhash
 
 from fuelline.protocol import DataError
 
-if TYPE_CHECKING:
-    from fuelline.server.sources.storage import FileStat, Store
-
-__all__ = ["DiskCache", "dataset_key"]
+__all__ = ["DiskCache", "RemoteFiles", "RemoteStat", "dataset_key"]
 
 log = logging.getLogger("fuelline.server")
 
@@ -59,7 +56,32 @@ LOCK_TIMEOUT = 600.0  # seconds to wait for another process's fetch of the same 
 OPEN_TRIES = 3
 
 
-def dataset_key(store: "Store") -> str:
+class RemoteStat(Protocol):
+    """What the cache needs to know of a remote file to tell whether its copy is current."""
+
+    size: int
+    mtime_ns: int
+
+
+class RemoteFiles(Protocol):
+    """The remote files the cache copies (``fuelline.server.sources.storage.Store`` is one). The
+    cache is handed its store, so the two need not import each other."""
+
+    dataset: str
+    uri: str
+    root: str
+
+    def fetch(self, rel: str, out: Any) -> int:
+        """Write the remote file ``rel`` to ``out`` (``write(bytes)``); returns bytes written."""
+
+    def where(self, rel: str) -> str:
+        """``rel`` as a person reads it, for messages."""
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to one of the store's event counts."""
+
+
+def dataset_key(store: RemoteFiles) -> str:
     """The folder of a dataset in the cache: a hash of its URI, and of the S3 endpoint taken from
     the environment (the same ``s3://bucket/prefix`` on another endpoint is another dataset)."""
     text = store.dataset
@@ -131,7 +153,7 @@ class DiskCache:
         budget: bytes all datasets' copies in ``base`` may take together.
     """
 
-    def __init__(self, store: "Store", base: str, budget: int) -> None:
+    def __init__(self, store: RemoteFiles, base: str, budget: int) -> None:
         self.store = store
         self.base = os.path.abspath(base)
         self.dir = os.path.join(self.base, dataset_key(store))
@@ -155,15 +177,15 @@ class DiskCache:
         return os.path.join(self.dir, "locks", self._name(rel) + ".lock")
 
     # -- use -------------------------------------------------------------------------------------
-    def open(self, rel: str, remote: "FileStat") -> pa.MemoryMappedFile:
+    def open(self, rel: str, remote: RemoteStat) -> pa.MemoryMappedFile:
         """A memory map of the cached copy of ``rel``, fetched (or fetched again) as needed."""
         return self._get(rel, remote, want_map=True)
 
-    def ensure(self, rel: str, remote: "FileStat") -> None:
+    def ensure(self, rel: str, remote: RemoteStat) -> None:
         """Have a good copy of ``rel`` on disk (prefetching): fetches, but counts no hit."""
         self._get(rel, remote, want_map=False)
 
-    def _get(self, rel: str, remote: "FileStat", want_map: bool) -> Any:
+    def _get(self, rel: str, remote: RemoteStat, want_map: bool) -> Any:
         where = self.store.where(rel)
         for attempt in range(OPEN_TRIES):
             with _flock(self.lock_path(rel), where):
@@ -197,7 +219,7 @@ class DiskCache:
         except (OSError, ValueError):
             return None
 
-    def _good(self, rel: str, remote: "FileStat") -> bool:
+    def _good(self, rel: str, remote: RemoteStat) -> bool:
         """Whether the copy is there, whole, unchanged remotely and (once per process) checksummed."""
         meta = self._read_meta(rel)
         if meta is None:
@@ -232,7 +254,7 @@ class DiskCache:
                 os.unlink(path)
 
     # -- fetching --------------------------------------------------------------------------------
-    def _fetch(self, rel: str, remote: "FileStat") -> None:
+    def _fetch(self, rel: str, remote: RemoteStat) -> None:
         """Copy ``rel`` in, atomically. The caller holds its file lock."""
         where = self.store.where(rel)
         data, meta = self.data_path(rel), self.meta_path(rel)

@@ -1,58 +1,21 @@
 """The ``fuelline`` command line.
 
-Subcommands:
-  serve DATASET    serve a Parquet dataset to ServerDataStream clients
-  sample OUT       write the built-in sample Parquet dataset
-  stream HOST:PORT read epochs from a server and report what arrived and how fast
+Subcommands, one module each: ``serve`` and ``sample`` (this package), ``stream`` (the client's,
+``fuelline.client.command``), ``synth`` and ``convert`` (``ingest``), ``inspect`` and ``keygen``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import sys
-import time
 from typing import Sequence
 
-from fuelline.protocol import DataError, FuellineError
-from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS
-from fuelline.server.logs import LOG_FORMATS
+from fuelline.protocol import FuellineError
+from fuelline.protocol.common.logs import LOG_FORMATS, configure_logging
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 __all__ = ["main", "build_parser"]
-
-log = logging.getLogger("fuelline.server")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be in (0, 3600] seconds, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
-    return value
-
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -72,109 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="log lines for people (text) or one JSON object per line for log shippers (json)")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="serve a Parquet dataset")
-    serve.add_argument("dataset", help="directory of Parquet files, or of split folders of them, or a "
-                                       "converted dataset; local or a URI (s3://bucket/prefix, file://...)")
-    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=5557, help="TCP port; 0 picks a free one")
-    serve.add_argument("--hwm", type=_positive_int, default=10, help="batches in flight per client")
-    serve.add_argument("--batch-size", type=_positive_int, default=64, help="rows (windows) per batch")
-    serve.add_argument("--seed", type=int, default=0, help="seeds every epoch's order, with the epoch number")
-    serve.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
-                       help="shuffle across shards each epoch (off: storage order)")
-    serve.add_argument("--shuffle-block", type=_positive_int, default=8, help="row groups whose rows are mixed together")
-    serve.add_argument("--heartbeat", type=_seconds, default=1.0, help="seconds of silence before a heartbeat")
-    serve.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True, help="xxh3 checksum per array")
-    serve.add_argument("--curve-keys", metavar="DIR",
-                       help="encrypt with CURVE and accept only the client keys in DIR/authorized/ (fuelline keygen)")
-    serve.add_argument("--insecure", action="store_true",
-                       help="allow a --host other than loopback without --curve-keys (anyone who reaches the port "
-                            "reads the data): only for a network that is private by other means")
-    serve.add_argument("--status-interval", type=float, default=10.0,
-                       help="seconds between status lines in the log (clients, batches/s, MB/s); 0 for none")
-    serve.add_argument("--on-bad-shard", choices=["fail", "skip"], default="fail",
-                       help="a shard that cannot be read: stop with its name (fail), or leave it out, "
-                            "count it and tell the clients (skip)")
-    serve.add_argument("--workers", type=_non_negative_int, default=0,
-                       help="processes that load, align and preprocess in parallel; 0 does it on threads of "
-                            "the serving process. The batches are the same for any number")
-    serve.add_argument("--worker-timeout", type=_non_negative_float, default=300.0, metavar="SECONDS",
-                       help="a worker process still on one unit after this long is stopped, with where its "
-                            "threads were, replaced, and the unit retried once; 0 for no limit")
-    serve.add_argument("--memory-cache", type=_non_negative_int, default=10, metavar="K",
-                       help="the last K batches sent to each client are kept (with those prepared ahead of "
-                            "them), so a reconnect resumes without recomputing them; 0 for none")
-    serve.add_argument("--decoded-cache-mb", type=_non_negative_int, default=1024, metavar="MB",
-                       help="decoded row groups / recordings kept in memory for all clients to share: the "
-                            "ranks of a job decode each once an epoch, and a data set that fits is decoded "
-                            "once; 0 for none")
-    serve.add_argument("--local-ipc", action=argparse.BooleanOptionalAction, default=True,
-                       help="also listen on a Unix socket that clients on this host move to (faster than "
-                            "TCP; not with --curve-keys)")
-    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                       help="serve Prometheus metrics over HTTP at /metrics on this port (0 picks a free one; "
-                            "the log says which); off by default")
-    serve.add_argument("--metrics-host", default="127.0.0.1",
-                       help="interface of the metrics endpoint (default loopback; it has no authentication)")
-    serve.add_argument("--max-clients", type=_positive_int, default=DEFAULT_MAX_CLIENTS, metavar="N",
-                       help="most client sessions at once; a Hello beyond is refused as busy, unless a session "
-                            "that granted no credit for --max-client-heartbeat seconds can make room")
-    serve.add_argument("--max-clients-per-peer", type=_positive_int, default=None, metavar="N",
-                       help="most sessions from one address (every client on this host shares one); default: "
-                            "all but an eighth of --max-clients")
-    serve.add_argument("--max-client-heartbeat", type=_seconds, default=None, metavar="SECONDS",
-                       help="longest heartbeat interval a client may claim: a silent one is dropped after 3 of "
-                            "them; default: 10 x --heartbeat, at least 30")
-    storage = serve.add_argument_group("remote datasets (DATASET as s3://bucket/prefix, file://...)")
-    storage.add_argument("--cache-dir", metavar="DIR", default=None,
-                         help="local copies of remote shards (default: $XDG_CACHE_HOME/fuelline or ~/.cache/fuelline)")
-    storage.add_argument("--cache-mb", type=_positive_int, default=10240,
-                         help="most megabytes of shards kept in --cache-dir; the least recently used go first")
-    storage.add_argument("--prefetch", type=_non_negative_int, default=1, metavar="BLOCKS",
-                         help="blocks ahead of the one being read whose shards are fetched in the background")
-    multimodal = serve.add_argument_group("converted multimodal datasets (fuelline convert)")
-    multimodal.add_argument("--window", type=float, default=2.0, help="window length in seconds")
-    multimodal.add_argument("--hop", type=float, default=1.0, help="seconds between window starts")
-    multimodal.add_argument("--max-gap", type=int, default=2, help="most missing samples in a row in a valid window")
-    multimodal.add_argument("--normalize", choices=["zscore", "none"], default="zscore",
-                            help="per-channel z-score with the train split's statistics, or none")
-    multimodal.add_argument("--stage", action="append", default=[], metavar="MODULE:FUNCTION",
-                            help="a preprocessing stage run on every batch (repeatable, in order)")
+    # One module per command: each adds its parser and sets the function that runs it.
+    from fuelline.client import command as stream
+    from fuelline.server.cli import ingest, inspect, keygen, sample, serve
 
-    sample = sub.add_parser("sample", help="write the built-in sample Parquet dataset")
-    sample.add_argument("out", help="folder to write (train/ and val/ Parquet files)")
-    sample.add_argument("--rows", type=_positive_int, default=10_000, help="rows in all, four fifths of them train")
-    sample.add_argument("--dim", type=_positive_int, default=16, help="length of the features vector")
-    sample.add_argument("--files", type=_positive_int, default=4, help="Parquet files per split")
-    sample.add_argument("--row-group-rows", type=_positive_int, default=1_000, help="rows per row group")
-
-    stream = sub.add_parser("stream", help="read epochs from a server and report throughput")
-    stream.add_argument("endpoint", metavar="HOST:PORT[,HOST:PORT...]",
-                        help="a data server, or several serving the same dataset with the same options")
-    stream.add_argument("--epochs", type=_positive_int, default=1, help="epochs to read")
-    stream.add_argument("--split", default="train", help="which split to read")
-    stream.add_argument("--rank", type=int, default=0, help="read this rank's share")
-    stream.add_argument("--world-size", type=_positive_int, default=1, help="of this many ranks")
-    stream.add_argument("--hwm", type=_positive_int, default=10, help="batches prefetched")
-    stream.add_argument("--timeout", type=_seconds, default=60.0, help="seconds to keep trying a silent server")
-    stream.add_argument("--connect-timeout", type=_seconds, default=10.0, metavar="SECONDS",
-                        help="seconds to keep trying a server that refuses the connection (nothing listens at "
-                             "the port) before it first answers; a server that answered once gets --timeout")
-    stream.add_argument("--json", action="store_true", help="print one JSON object per epoch")
-    stream.add_argument("--curve-keys", default=None, metavar="DIR",
-                        help="connect with CURVE: DIR holds client.key_secret and the server's server.key")
-
-    serve.set_defaults(func=_serve)
-    sample.set_defaults(func=_sample)
-    stream.set_defaults(func=_stream)
-    # Subcommands that live beside what they run: each module adds its parser and its function.
-    from fuelline.server.cli import inspect
-    from fuelline.server.serving import keys
-    from fuelline.server.ingest import commands as ingest_commands
-
-    ingest_commands.register(sub)
-    inspect.register(sub)
-    keys.register(sub)
+    for command in (serve, sample, stream, ingest, inspect, keygen):
+        command.register(sub)
     # The logging options also after the subcommand (``fuelline serve DATA --log-format json``),
     # where unit files and manifests put every option.
     for command in sub.choices.values():
@@ -183,138 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _open_source(args: argparse.Namespace):
-    from fuelline.server.multimodal.manifest import is_converted_dataset
-    from fuelline.server.sources.parquet import ParquetSource
-
-    common = dict(batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block,
-                  on_bad_shard=args.on_bad_shard, workers=args.workers, prefetch=args.prefetch,
-                  decoded_cache_mb=args.decoded_cache_mb, worker_timeout=args.worker_timeout,
-                  cache_dir=args.cache_dir, cache_mb=args.cache_mb)
-    if is_converted_dataset(args.dataset):
-        from fuelline.server.multimodal.source import WindowSource
-        from fuelline.server.multimodal.stages import load_stage
-
-        stages = [load_stage(spec) for spec in args.stage]
-        return WindowSource(
-            args.dataset, window=args.window, hop=args.hop, max_gap=args.max_gap, normalize=args.normalize,
-            stages=stages, **common,
-        )
-    if args.stage:
-        raise DataError("--stage applies to converted multimodal datasets (a manifest.json at DATASET)")
-    return ParquetSource(args.dataset, **common)
-
-
-def _describe(info: dict) -> str:
-    if info["kind"] == "multimodal-windows":
-        dropped = ", ".join(f"{k}: {v}" for k, v in info["dropped"].items()) or "none"
-        return f"windows of {info['recordings']} recordings; dropped {dropped}"
-    return f"{info['files']} files, {info['row_groups']} row groups"
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from fuelline.server.serving.keys import CurveConfig, is_loopback
-    from fuelline.server.serving.server import Server
-    from fuelline.server.serving.start import serve_until_signalled
-
-    if not args.curve_keys and not args.insecure and not is_loopback(args.host):
-        raise DataError(
-            f"refusing to serve on --host {args.host} without --curve-keys: anyone who can reach the port could "
-            "read the data. Create keys (`fuelline keygen keys/`, `fuelline keygen ckeys/ --name client`, then copy "
-            "keys/server.key to ckeys/ and ckeys/client.key to keys/authorized/) and serve with --curve-keys keys/; "
-            "or pass --insecure on a network that is private by other means"
-        )
-    curve = CurveConfig.from_dir(args.curve_keys) if args.curve_keys else None  # before the dataset: fail fast
-    source = _open_source(args)
-    for split in source.splits:
-        info = source.info(split)
-        log.info(
-            "split %r: %d rows (%s); %d batches of %d per epoch at world size 1; up to %.0f MB held per client",
-            split, info["rows"], _describe(info), source.batches_per_epoch(split, 0, 1),
-            args.batch_size, source.memory_per_client(split) / 1e6,
-        )
-    if args.status_interval < 0:
-        raise DataError(f"--status-interval must be >= 0 seconds, got {args.status_interval}")
-    server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum,
-                    curve=curve, status_interval=args.status_interval, memory_cache=args.memory_cache,
-                    local_ipc=args.local_ipc, insecure=args.insecure, max_clients=args.max_clients,
-                    max_clients_per_peer=args.max_clients_per_peer, max_client_heartbeat=args.max_client_heartbeat)
-    try:
-        server.bind()
-    except Exception as exc:
-        raise DataError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
-    if args.metrics_port is not None:
-        from fuelline.server.serving.metrics import serve_metrics
-
-        try:
-            serve_metrics(server, args.metrics_port, args.metrics_host)
-        except OSError as exc:
-            raise DataError(f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: {exc}") from None
-    try:
-        serve_until_signalled(server)
-    finally:
-        source.close()  # worker processes, prefetch threads
-    return 0
-
-
-def _sample(args: argparse.Namespace) -> int:
-    from fuelline.server.sources.sample import write_sample_dataset
-
-    counts = write_sample_dataset(args.out, rows=args.rows, dim=args.dim, files=args.files, row_group_rows=args.row_group_rows)
-    print(f"wrote {args.out}: " + ", ".join(f"{k} {v} rows" for k, v in counts.items()))
-    return 0
-
-
-def _stream(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from fuelline.client import ServerDataStream
-
-    with ServerDataStream(
-        endpoints=args.endpoint, split=args.split, rank=args.rank, world_size=args.world_size,
-        hwm=args.hwm, timeout=args.timeout, connect_timeout=args.connect_timeout, curve_keys=args.curve_keys,
-    ) as stream:
-        for epoch in range(args.epochs):
-            batches = rows = nbytes = 0
-            ids: list = []
-            start = time.perf_counter()
-            for batch in stream.get_epoch_iterator(as_dict=True):
-                batches += 1
-                first = next(iter(batch.values()))
-                rows += len(first) if first.ndim else 1
-                nbytes += sum(a.nbytes for a in batch.values())
-                if "sample_id" in batch:
-                    ids.append(batch["sample_id"])
-            seconds = time.perf_counter() - start
-            report = {
-                "epoch": epoch,
-                "batches": batches,
-                "rows": rows,
-                "bytes": nbytes,
-                "seconds": round(seconds, 4),
-                "rows_per_s": round(rows / seconds, 1) if seconds else None,
-                "mb_per_s": round(nbytes / seconds / 1e6, 1) if seconds else None,
-                "sources": {k: v for k, v in stream.schema.items()},
-            }
-            if ids:
-                all_ids = np.concatenate(ids)
-                report["unique_sample_ids"] = int(len(np.unique(all_ids)))
-            if args.json:
-                print(json.dumps(report), flush=True)
-            else:
-                print(
-                    f"epoch {epoch}: {batches} batches, {rows} rows, {nbytes / 1e6:.1f} MB in {seconds:.2f}s "
-                    f"({report['rows_per_s']} rows/s, {report['mb_per_s']} MB/s)"
-                    + (f", {report['unique_sample_ids']} distinct sample_ids" if ids else ""),
-                    flush=True,
-                )
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from fuelline.server.logs import configure_logging
-
     configure_logging(args.log_level, args.log_format)
     try:
         return args.func(args)

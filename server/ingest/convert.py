@@ -11,12 +11,8 @@ Servers and deploy scripts can therefore take "DATASET exists" to mean "DATASET 
 
 from __future__ import annotations
 
-import argparse
 import os
-import secrets
-import shutil
 import sys
-import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
@@ -28,10 +24,11 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from fuelline.protocol import DataError
+from fuelline.protocol.common.atomic import atomic_directory
 from fuelline.server.multimodal.manifest import EMOTIONS, MANIFEST_NAME, MODALITIES, Manifest, Modality, Placement, Recording
 from fuelline.server.ingest.rawformat import RawDataset, RawRecording, Signal, check_same_channels
 
-__all__ = ["convert", "assign_splits", "register", "run"]
+__all__ = ["convert", "assign_splits"]
 
 # LZ4 decompresses several times faster than zstd; with byte stream split (the n-th bytes of
 # all samples together, channel by channel) the files are as small as zstd made them from
@@ -254,17 +251,6 @@ def _check_options(val_fraction: float, recordings_per_shard: int) -> None:
         raise DataError(f"--recordings-per-shard must be >= 1, got {recordings_per_shard}")
 
 
-def _make_temporary(dataset: str) -> str:
-    """A fresh hidden folder beside DATASET, on the same file system so the final rename is atomic."""
-    full = os.path.abspath(dataset)
-    parent = os.path.dirname(full)
-    if not os.path.isdir(parent):
-        raise DataError(f"{parent}: no such folder to write {os.path.basename(full)} into")
-    temporary = os.path.join(parent, f".{os.path.basename(full)}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(temporary)
-    return temporary
-
-
 def _show_progress(progress: bool | None) -> bool:
     if progress is None:
         return sys.stderr.isatty()
@@ -295,15 +281,11 @@ def convert(raw: str, dataset: str, *, val_fraction: float = 0.2, seed: int = 0,
     splits = assign_splits(source.recordings, val_fraction, seed)
     if "train" not in splits.values():
         raise DataError(f"--val-fraction {val_fraction} leaves no recording in the train split")
-    temporary = _make_temporary(dataset)
-    try:
+    parent = os.path.dirname(os.path.abspath(dataset))
+    if not os.path.isdir(parent):
+        raise DataError(f"{parent}: no such folder to write {os.path.basename(dataset)} into")
+    with atomic_directory(dataset, "dataset") as temporary:
         manifest = _write(source, temporary, splits, seed, val_fraction, recordings_per_shard, progress)
-        if os.path.lexists(dataset):  # appeared while we were writing: still never overwrite it
-            raise FileExistsError(f"{dataset} already exists; convert never overwrites a dataset")
-        os.rename(temporary, dataset)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -320,58 +302,3 @@ def _write(source: RawDataset, root: str, splits: Mapping[str, str], seed: int, 
 
 
 # -- command line ------------------------------------------------------------------------------
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    parser = sub.add_parser(
-        "convert", help="convert raw TSV recordings to a Parquet dataset",
-        description="Convert raw TSV recordings (RAW_FORMAT.md) to a Parquet dataset with a manifest. "
-                    "Atomic: nothing is left at DATASET unless the conversion succeeded.",
-    )
-    parser.add_argument("raw", metavar="RAW", help="folder with recordings.tsv, clocks.tsv and one folder per recording")
-    parser.add_argument("dataset", metavar="DATASET", help="folder to create; must not exist")
-    parser.add_argument("--val-fraction", type=_fraction, default=0.2,
-                        help="share of each emotion's recordings in the val split (default 0.2)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
-    parser.add_argument("--recordings-per-shard", type=_positive_int, default=16,
-                        help="recordings per Parquet file (default 16)")
-    parser.set_defaults(func=run)
-
-
-def summary(manifest: Manifest, dataset: str, seconds: float) -> str:
-    """What ``fuelline convert`` prints: counts, sizes, speed and the compression ratio."""
-    per_split = ", ".join(f"{s} {len(manifest.split(s))}" for s in manifest.splits)
-    rows = ", ".join(
-        f"{m} {sum(r.modalities[m].rows for r in manifest.recordings)}" for m in manifest.modalities
-    )
-    source_mb, dataset_mb = manifest.source_bytes / 1e6, manifest.dataset_bytes / 1e6
-    rate = source_mb / seconds if seconds > 0 else float("inf")
-    ratio = manifest.source_bytes / manifest.dataset_bytes
-    return (
-        f"wrote {dataset}: {len(manifest.recordings)} recordings ({per_split})\n"
-        f"rows: {rows}\n"
-        f"read {source_mb:.1f} MB of TSV in {seconds:.2f}s ({rate:.1f} MB/s), "
-        f"wrote {dataset_mb:.1f} MB; compression {ratio:.1f}:1"
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    start = time.perf_counter()
-    manifest = convert(args.raw, args.dataset, val_fraction=args.val_fraction, seed=args.seed,
-                       recordings_per_shard=args.recordings_per_shard)
-    print(summary(manifest, args.dataset, time.perf_counter() - start))
-    return 0

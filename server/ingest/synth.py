@@ -31,20 +31,18 @@ files.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import secrets
-import shutil
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
+from fuelline.protocol.common.atomic import atomic_directory
 from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES
 
-__all__ = ["EMOTION_PROBABILITIES", "channel_names", "synthesize", "register", "run"]
+__all__ = ["EMOTION_PROBABILITIES", "channel_names", "synthesize"]
 
 # Share of each emotion (in EMOTIONS order) among the recordings of the original data set.
 EMOTION_PROBABILITIES = (0.415, 0.213, 0.135, 0.106, 0.088, 0.043)
@@ -299,18 +297,8 @@ def synthesize(
                          "jitter_ms >= 0 are required")
     if os.path.exists(out):
         raise FileExistsError(f"{out} exists; remove it or choose another path")
-    parent, name = os.path.split(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{name}.synth-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(tmp)
-    try:
+    with atomic_directory(out, "raw folder") as tmp:
         summary = _write_dataset(tmp, recordings, seconds, seed, video_dim, drop, jitter_ms, probe)
-        if os.path.exists(out):
-            raise FileExistsError(f"{out} appeared while it was being written; the new data set was discarded")
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return summary
 
 
@@ -346,49 +334,3 @@ def _write_dataset(
         "rows": rows,
         "bytes": _folder_bytes(root),
     }
-
-
-# -- command line --------------------------------------------------------------------------------
-def _checked(convert, ok, need: str):
-    """An argparse type that converts, then rejects values outside the allowed range; argparse
-    names the option in the error."""
-    def parse(text: str):
-        try:
-            value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {need}, got {text}")
-        return value
-
-    return parse
-
-
-def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """Add ``fuelline synth OUT --recordings N --seconds S --seed K [...]``."""
-    p = sub.add_parser("synth", help="write synthetic AMIGOS-like raw recordings",
-                       description="Write synthetic AMIGOS-like raw recordings (the input of `fuelline convert`).")
-    p.add_argument("out", help="folder to create; must not exist")
-    p.add_argument("--recordings", required=True, type=_checked(int, lambda v: v >= 1, ">= 1"),
-                   help="recordings to write (participants × videos)")
-    p.add_argument("--seconds", required=True, type=_checked(float, lambda v: 0 < v < math.inf, "> 0 and finite"),
-                   help="length of each recording")
-    p.add_argument("--seed", required=True, type=int, help="the same seed writes the same files")
-    p.add_argument("--video-dim", type=_checked(int, lambda v: v >= 1, ">= 1"), default=136,
-                   help="video features per frame")
-    p.add_argument("--drop", type=_checked(float, lambda v: 0 <= v < 0.5, "in [0, 0.5)"), default=0.002,
-                   help="probability of a dropped sample (a run of 3-20 starts 20 times less often)")
-    p.add_argument("--jitter-ms", type=_checked(float, lambda v: 0 <= v < math.inf, ">= 0 and finite"),
-                   default=0.3, help="timestamp jitter, standard deviation in ms")
-    p.add_argument("--probe", action="store_true", help="channel 0 of every modality holds the true master time")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    summary = synthesize(args.out, args.recordings, args.seconds, args.seed, video_dim=args.video_dim,
-                         drop=args.drop, jitter_ms=args.jitter_ms, probe=args.probe)
-    emotions = ", ".join(f"{e} {c}" for e, c in summary["emotions"].items())
-    rows = ", ".join(f"{m} {r}" for m, r in summary["rows"].items())
-    print(f"wrote {args.out}: {summary['recordings']} recordings ({emotions}); rows {rows}; "
-          f"{summary['bytes'] / 1e6:.1f} MB", flush=True)
-    return 0

@@ -15,7 +15,6 @@ reads ``authorized/`` when it starts: restart it after adding or removing a clie
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import logging
 import os
@@ -28,10 +27,10 @@ from typing import Union
 import zmq
 import zmq.auth
 
-from fuelline.client.curve import check_key, load_key_file, require_curve
+from fuelline.protocol.common.keyfiles import check_key, load_key_file, require_curve
 from fuelline.protocol import DataError
 
-__all__ = ["CurveConfig", "keygen", "is_loopback", "register"]
+__all__ = ["CurveConfig", "keygen", "is_loopback"]
 
 log = logging.getLogger("fuelline.server")
 
@@ -185,25 +184,3 @@ def _place(source: str, target: str) -> None:
         if os.path.lexists(target):
             raise _exists(target) from None
         os.replace(source, target)
-
-
-def _key_name(text: str) -> str:
-    if not text or text.startswith(".") or os.sep in text or (os.altsep and os.altsep in text):
-        raise argparse.ArgumentTypeError(f"must be a plain file name, got {text!r}")
-    return text
-
-
-def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    p = sub.add_parser("keygen", help="write a CURVE key pair for a server or a client")
-    p.add_argument("dir", help="directory to write NAME.key (public) and NAME.key_secret (secret) in")
-    p.add_argument("--name", type=_key_name, default="server",
-                   help="server (default) for `serve --curve-keys DIR`; client for a client's DIR")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    public, secret = keygen(args.dir, args.name)
-    print(f"wrote {public} (public: share it) and {secret} (secret, mode 600: keep it here)")
-    if args.name == "server":
-        print(f"clients to accept: put their public .key files in {os.path.join(args.dir, 'authorized')}/")
-    return 0

@@ -8,12 +8,12 @@ Columns: ``sample_id`` int64 (unique), ``features`` fixed_size_list<float32>[dim
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from fuelline.protocol.common.atomic import atomic_directory
 
 __all__ = ["write_sample_dataset", "expected_features"]
 
@@ -41,10 +41,7 @@ def write_sample_dataset(
     rng = np.random.default_rng(seed)
     n_val = max(1, int(rows * val_fraction))
     splits = {"train": np.arange(rows - n_val), "val": np.arange(rows - n_val, rows)}
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".sample-", dir=parent)
-    try:
+    with atomic_directory(out, "dataset") as tmp:
         for split, ids in splits.items():
             os.makedirs(os.path.join(tmp, split))
             for i, part in enumerate(np.array_split(ids, files)):
@@ -60,8 +57,4 @@ def write_sample_dataset(
                     }
                 )
                 pq.write_table(table, os.path.join(tmp, split, f"part-{i:05d}.parquet"), row_group_size=row_group_rows)
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {k: len(v) for k, v in splits.items()}

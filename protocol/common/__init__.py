@@ -1,0 +1,7 @@
+"""Leaf helpers that every side shares: HOST:PORT parsing, CURVE key files, logging setup,
+argparse types and atomic directory writes.
+
+They import no other fuelline package beyond ``fuelline.protocol``'s errors, open no sockets and
+start no threads, so the client, the trainer and the server may all import them without pulling
+in one another.
+"""

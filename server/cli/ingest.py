@@ -1,0 +1,91 @@
+"""``fuelline synth`` and ``fuelline convert``: the ingest writers on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+from fuelline.protocol.common.argtypes import checked, fraction, positive_int
+from fuelline.server.ingest.convert import convert
+from fuelline.server.ingest.synth import synthesize
+from fuelline.server.multimodal.manifest import Manifest
+
+__all__ = ["register", "register_synth", "register_convert", "run_synth", "run_convert", "summary"]
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``synth`` and ``convert``; each sets ``func`` (args -> exit status) as its default."""
+    register_synth(sub)
+    register_convert(sub)
+
+
+def register_synth(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``fuelline synth OUT --recordings N --seconds S --seed K [...]``."""
+    p = sub.add_parser("synth", help="write synthetic AMIGOS-like raw recordings",
+                       description="Write synthetic AMIGOS-like raw recordings (the input of `fuelline convert`).")
+    p.add_argument("out", help="folder to create; must not exist")
+    p.add_argument("--recordings", required=True, type=checked(int, lambda v: v >= 1, ">= 1"),
+                   help="recordings to write (participants × videos)")
+    p.add_argument("--seconds", required=True, type=checked(float, lambda v: 0 < v < math.inf, "> 0 and finite"),
+                   help="length of each recording")
+    p.add_argument("--seed", required=True, type=int, help="the same seed writes the same files")
+    p.add_argument("--video-dim", type=checked(int, lambda v: v >= 1, ">= 1"), default=136,
+                   help="video features per frame")
+    p.add_argument("--drop", type=checked(float, lambda v: 0 <= v < 0.5, "in [0, 0.5)"), default=0.002,
+                   help="probability of a dropped sample (a run of 3-20 starts 20 times less often)")
+    p.add_argument("--jitter-ms", type=checked(float, lambda v: 0 <= v < math.inf, ">= 0 and finite"),
+                   default=0.3, help="timestamp jitter, standard deviation in ms")
+    p.add_argument("--probe", action="store_true", help="channel 0 of every modality holds the true master time")
+    p.set_defaults(func=run_synth)
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    summary = synthesize(args.out, args.recordings, args.seconds, args.seed, video_dim=args.video_dim,
+                         drop=args.drop, jitter_ms=args.jitter_ms, probe=args.probe)
+    emotions = ", ".join(f"{e} {c}" for e, c in summary["emotions"].items())
+    rows = ", ".join(f"{m} {r}" for m, r in summary["rows"].items())
+    print(f"wrote {args.out}: {summary['recordings']} recordings ({emotions}); rows {rows}; "
+          f"{summary['bytes'] / 1e6:.1f} MB", flush=True)
+    return 0
+
+
+def register_convert(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    parser = sub.add_parser(
+        "convert", help="convert raw TSV recordings to a Parquet dataset",
+        description="Convert raw TSV recordings (RAW_FORMAT.md) to a Parquet dataset with a manifest. "
+                    "Atomic: nothing is left at DATASET unless the conversion succeeded.",
+    )
+    parser.add_argument("raw", metavar="RAW", help="folder with recordings.tsv, clocks.tsv and one folder per recording")
+    parser.add_argument("dataset", metavar="DATASET", help="folder to create; must not exist")
+    parser.add_argument("--val-fraction", type=fraction, default=0.2,
+                        help="share of each emotion's recordings in the val split (default 0.2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
+    parser.add_argument("--recordings-per-shard", type=positive_int, default=16,
+                        help="recordings per Parquet file (default 16)")
+    parser.set_defaults(func=run_convert)
+
+
+def summary(manifest: Manifest, dataset: str, seconds: float) -> str:
+    """What ``fuelline convert`` prints: counts, sizes, speed and the compression ratio."""
+    per_split = ", ".join(f"{s} {len(manifest.split(s))}" for s in manifest.splits)
+    rows = ", ".join(
+        f"{m} {sum(r.modalities[m].rows for r in manifest.recordings)}" for m in manifest.modalities
+    )
+    source_mb, dataset_mb = manifest.source_bytes / 1e6, manifest.dataset_bytes / 1e6
+    rate = source_mb / seconds if seconds > 0 else float("inf")
+    ratio = manifest.source_bytes / manifest.dataset_bytes
+    return (
+        f"wrote {dataset}: {len(manifest.recordings)} recordings ({per_split})\n"
+        f"rows: {rows}\n"
+        f"read {source_mb:.1f} MB of TSV in {seconds:.2f}s ({rate:.1f} MB/s), "
+        f"wrote {dataset_mb:.1f} MB; compression {ratio:.1f}:1"
+    )
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    manifest = convert(args.raw, args.dataset, val_fraction=args.val_fraction, seed=args.seed,
+                       recordings_per_shard=args.recordings_per_shard)
+    print(summary(manifest, args.dataset, time.perf_counter() - start))
+    return 0

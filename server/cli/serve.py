@@ -1,0 +1,161 @@
+"""``fuelline serve DATASET``: serve a Parquet or converted multimodal dataset to
+``ServerDataStream`` clients until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from fuelline.protocol import DataError
+from fuelline.protocol.common.argtypes import non_negative_float, non_negative_int, positive_int, seconds
+from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS
+
+__all__ = ["register", "run"]
+
+log = logging.getLogger("fuelline.server")
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    serve = sub.add_parser("serve", help="serve a Parquet dataset")
+    serve.add_argument("dataset", help="directory of Parquet files, or of split folders of them, or a "
+                                       "converted dataset; local or a URI (s3://bucket/prefix, file://...)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=5557, help="TCP port; 0 picks a free one")
+    serve.add_argument("--hwm", type=positive_int, default=10, help="batches in flight per client")
+    serve.add_argument("--batch-size", type=positive_int, default=64, help="rows (windows) per batch")
+    serve.add_argument("--seed", type=int, default=0, help="seeds every epoch's order, with the epoch number")
+    serve.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
+                       help="shuffle across shards each epoch (off: storage order)")
+    serve.add_argument("--shuffle-block", type=positive_int, default=8, help="row groups whose rows are mixed together")
+    serve.add_argument("--heartbeat", type=seconds, default=1.0, help="seconds of silence before a heartbeat")
+    serve.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True, help="xxh3 checksum per array")
+    serve.add_argument("--curve-keys", metavar="DIR",
+                       help="encrypt with CURVE and accept only the client keys in DIR/authorized/ (fuelline keygen)")
+    serve.add_argument("--insecure", action="store_true",
+                       help="allow a --host other than loopback without --curve-keys (anyone who reaches the port "
+                            "reads the data): only for a network that is private by other means")
+    serve.add_argument("--status-interval", type=float, default=10.0,
+                       help="seconds between status lines in the log (clients, batches/s, MB/s); 0 for none")
+    serve.add_argument("--on-bad-shard", choices=["fail", "skip"], default="fail",
+                       help="a shard that cannot be read: stop with its name (fail), or leave it out, "
+                            "count it and tell the clients (skip)")
+    serve.add_argument("--workers", type=non_negative_int, default=0,
+                       help="processes that load, align and preprocess in parallel; 0 does it on threads of "
+                            "the serving process. The batches are the same for any number")
+    serve.add_argument("--worker-timeout", type=non_negative_float, default=300.0, metavar="SECONDS",
+                       help="a worker process still on one unit after this long is stopped, with where its "
+                            "threads were, replaced, and the unit retried once; 0 for no limit")
+    serve.add_argument("--memory-cache", type=non_negative_int, default=10, metavar="K",
+                       help="the last K batches sent to each client are kept (with those prepared ahead of "
+                            "them), so a reconnect resumes without recomputing them; 0 for none")
+    serve.add_argument("--decoded-cache-mb", type=non_negative_int, default=1024, metavar="MB",
+                       help="decoded row groups / recordings kept in memory for all clients to share: the "
+                            "ranks of a job decode each once an epoch, and a data set that fits is decoded "
+                            "once; 0 for none")
+    serve.add_argument("--local-ipc", action=argparse.BooleanOptionalAction, default=True,
+                       help="also listen on a Unix socket that clients on this host move to (faster than "
+                            "TCP; not with --curve-keys)")
+    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus metrics over HTTP at /metrics on this port (0 picks a free one; "
+                            "the log says which); off by default")
+    serve.add_argument("--metrics-host", default="127.0.0.1",
+                       help="interface of the metrics endpoint (default loopback; it has no authentication)")
+    serve.add_argument("--max-clients", type=positive_int, default=DEFAULT_MAX_CLIENTS, metavar="N",
+                       help="most client sessions at once; a Hello beyond is refused as busy, unless a session "
+                            "that granted no credit for --max-client-heartbeat seconds can make room")
+    serve.add_argument("--max-clients-per-peer", type=positive_int, default=None, metavar="N",
+                       help="most sessions from one address (every client on this host shares one); default: "
+                            "all but an eighth of --max-clients")
+    serve.add_argument("--max-client-heartbeat", type=seconds, default=None, metavar="SECONDS",
+                       help="longest heartbeat interval a client may claim: a silent one is dropped after 3 of "
+                            "them; default: 10 x --heartbeat, at least 30")
+    storage = serve.add_argument_group("remote datasets (DATASET as s3://bucket/prefix, file://...)")
+    storage.add_argument("--cache-dir", metavar="DIR", default=None,
+                         help="local copies of remote shards (default: $XDG_CACHE_HOME/fuelline or ~/.cache/fuelline)")
+    storage.add_argument("--cache-mb", type=positive_int, default=10240,
+                         help="most megabytes of shards kept in --cache-dir; the least recently used go first")
+    storage.add_argument("--prefetch", type=non_negative_int, default=1, metavar="BLOCKS",
+                         help="blocks ahead of the one being read whose shards are fetched in the background")
+    multimodal = serve.add_argument_group("converted multimodal datasets (fuelline convert)")
+    multimodal.add_argument("--window", type=float, default=2.0, help="window length in seconds")
+    multimodal.add_argument("--hop", type=float, default=1.0, help="seconds between window starts")
+    multimodal.add_argument("--max-gap", type=int, default=2, help="most missing samples in a row in a valid window")
+    multimodal.add_argument("--normalize", choices=["zscore", "none"], default="zscore",
+                            help="per-channel z-score with the train split's statistics, or none")
+    multimodal.add_argument("--stage", action="append", default=[], metavar="MODULE:FUNCTION",
+                            help="a preprocessing stage run on every batch (repeatable, in order)")
+    serve.set_defaults(func=run)
+
+
+def _open_source(args: argparse.Namespace):
+    from fuelline.server.multimodal.manifest import is_converted_dataset
+    from fuelline.server.sources.parquet import ParquetSource
+
+    common = dict(batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block,
+                  on_bad_shard=args.on_bad_shard, workers=args.workers, prefetch=args.prefetch,
+                  decoded_cache_mb=args.decoded_cache_mb, worker_timeout=args.worker_timeout,
+                  cache_dir=args.cache_dir, cache_mb=args.cache_mb)
+    if is_converted_dataset(args.dataset):
+        from fuelline.server.multimodal.source import WindowSource
+        from fuelline.server.multimodal.stages import load_stage
+
+        stages = [load_stage(spec) for spec in args.stage]
+        return WindowSource(
+            args.dataset, window=args.window, hop=args.hop, max_gap=args.max_gap, normalize=args.normalize,
+            stages=stages, **common,
+        )
+    if args.stage:
+        raise DataError("--stage applies to converted multimodal datasets (a manifest.json at DATASET)")
+    return ParquetSource(args.dataset, **common)
+
+
+def _describe(info: dict) -> str:
+    if info["kind"] == "multimodal-windows":
+        dropped = ", ".join(f"{k}: {v}" for k, v in info["dropped"].items()) or "none"
+        return f"windows of {info['recordings']} recordings; dropped {dropped}"
+    return f"{info['files']} files, {info['row_groups']} row groups"
+
+
+def run(args: argparse.Namespace) -> int:
+    from fuelline.server.serving.keys import CurveConfig, is_loopback
+    from fuelline.server.serving.server import Server
+    from fuelline.server.serving.start import serve_until_signalled
+
+    if not args.curve_keys and not args.insecure and not is_loopback(args.host):
+        raise DataError(
+            f"refusing to serve on --host {args.host} without --curve-keys: anyone who can reach the port could "
+            "read the data. Create keys (`fuelline keygen keys/`, `fuelline keygen ckeys/ --name client`, then copy "
+            "keys/server.key to ckeys/ and ckeys/client.key to keys/authorized/) and serve with --curve-keys keys/; "
+            "or pass --insecure on a network that is private by other means"
+        )
+    curve = CurveConfig.from_dir(args.curve_keys) if args.curve_keys else None  # before the dataset: fail fast
+    source = _open_source(args)
+    for split in source.splits:
+        info = source.info(split)
+        log.info(
+            "split %r: %d rows (%s); %d batches of %d per epoch at world size 1; up to %.0f MB held per client",
+            split, info["rows"], _describe(info), source.batches_per_epoch(split, 0, 1),
+            args.batch_size, source.memory_per_client(split) / 1e6,
+        )
+    if args.status_interval < 0:
+        raise DataError(f"--status-interval must be >= 0 seconds, got {args.status_interval}")
+    server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum,
+                    curve=curve, status_interval=args.status_interval, memory_cache=args.memory_cache,
+                    local_ipc=args.local_ipc, insecure=args.insecure, max_clients=args.max_clients,
+                    max_clients_per_peer=args.max_clients_per_peer, max_client_heartbeat=args.max_client_heartbeat)
+    try:
+        server.bind()
+    except Exception as exc:
+        raise DataError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
+    if args.metrics_port is not None:
+        from fuelline.server.serving.metrics import serve_metrics
+
+        try:
+            serve_metrics(server, args.metrics_port, args.metrics_host)
+        except OSError as exc:
+            raise DataError(f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: {exc}") from None
+    try:
+        serve_until_signalled(server)
+    finally:
+        source.close()  # worker processes, prefetch threads
+    return 0
