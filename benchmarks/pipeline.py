@@ -218,7 +218,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
     with tempfile.TemporaryDirectory(prefix="fuelline-bench-") as logs, ExitStack() as stack:
         # Like for like, every contender decodes every epoch (no decoded units kept); SERVED_KEPT is
         # the server as it runs by default, keeping decoded units (the split fits its budget).
-        source = WindowSource(dataset, batch_size=bs, seed=SEED, block_units=BLOCK_UNITS, decoded_cache_mb=0)
+        source = WindowSource(dataset, batch_size=bs, seed=SEED, shuffle_block=BLOCK_UNITS, decoded_cache_mb=0)
         stack.callback(source.close)
         windows = source.rows(SPLIT)
         delivered = windows * epochs
@@ -248,7 +248,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
     kept_over_ref = medians[SERVED_KEPT] / REFERENCE_WINDOWS_PER_S
     parameters = {
         "rounds": rounds, "quick": quick, **size, "seed": SEED, "train_windows": windows, "epochs_per_round": epochs,
-        "block_units": BLOCK_UNITS,
+        "shuffle_block": BLOCK_UNITS,
         "window": "2.0 s every 1.0 s, max gap 2, zscore", "hwm": HWM, "dataloader_workers": list(DL_WORKERS),
         "dataset": dataset,
     }

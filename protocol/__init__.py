@@ -7,16 +7,19 @@ conversation between a client and a server.
 from fuelline.protocol.arrays import DEFAULT_LIMITS, WIRE_DTYPES, ArrayMeta, Limits
 from fuelline.protocol.codec import decode, encode, peek_type
 from fuelline.protocol.errors import (
+    CheckpointError,
     ChecksumMismatch,
     DataError,
     FingerprintMismatch,
     FuellineError,
     MessageTooLarge,
+    OptionError,
     ProtocolError,
     ProtocolVersionError,
     ReceiveTimeout,
     RemoteError,
     ServerUnavailable,
+    WorkerError,
 )
 from fuelline.protocol.messages import (
     VERSION,
@@ -38,4 +41,5 @@ __all__ = [
     "Hello", "Welcome", "Credit", "Batch", "EndOfEpoch", "Heartbeat", "Error", "Bye", "Message", "ErrorCode",
     "FuellineError", "ProtocolError", "ProtocolVersionError", "MessageTooLarge", "ChecksumMismatch",
     "RemoteError", "ServerUnavailable", "ReceiveTimeout", "DataError", "FingerprintMismatch",
+    "OptionError", "WorkerError", "CheckpointError",
 ]

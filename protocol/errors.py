@@ -11,9 +11,14 @@
      ├── ServerUnavailable (ConnectionError)
      │                                    no answer from an endpoint within the client's timeout
      ├── ReceiveTimeout (TimeoutError)    a live server sent no batch within receive_timeout
-     └── DataError (ValueError)           bad input data or options: names the file, column, line
-          └── FingerprintMismatch         a server would not continue the same sequence: names
-                                          what differs (seed, files, batch size...) and where
+     ├── DataError (ValueError)           bad input data or options: names the file, column, line
+     │    ├── OptionError                 an argument out of range: names the argument (a command
+     │    │                               line names its flag instead)
+     │    └── FingerprintMismatch         a server would not continue the same sequence: names
+     │                                    what differs (seed, files, batch size...) and where
+     ├── WorkerError                      a server's worker process failed other than on bad data
+     │    └── WorkerPoolBroken            (fuelline.server.workers) workers died too often
+     └── CheckpointError (RuntimeError)   a trainer checkpoint that cannot be loaded safely
 
 Builtins are subclassed where callers would catch the builtin: a ``ServerUnavailable`` is a
 ``ConnectionError``, a ``ReceiveTimeout`` a ``TimeoutError``.
@@ -33,7 +38,10 @@ __all__ = [
     "ServerUnavailable",
     "ReceiveTimeout",
     "DataError",
+    "OptionError",
     "FingerprintMismatch",
+    "WorkerError",
+    "CheckpointError",
 ]
 
 
@@ -99,6 +107,33 @@ class ReceiveTimeout(FuellineError, TimeoutError):
 
 class DataError(FuellineError, ValueError):
     """Bad input data or options; the message names the file, column, line or option."""
+
+
+class OptionError(DataError):
+    """An argument out of its range. The message names the argument as a Python caller spells it
+    (``batch_size must be >= 1, got 0``); a command line re-words it with its flag.
+
+    Attributes:
+        option: the argument's name (``batch_size``).
+        rule: the rest of the message (``must be >= 1, got 0``).
+    """
+
+    def __init__(self, option: str, rule: str) -> None:
+        super().__init__(f"{option} {rule}")
+        self.option = option
+        self.rule = rule
+
+    def __reduce__(self) -> tuple:  # (crosses from worker processes)
+        return type(self), (self.option, self.rule)
+
+
+class WorkerError(FuellineError):
+    """A server's worker process raised something other than DataError (a bug, most likely), or
+    the pool closed while a task waited. The worker's traceback is the ``__cause__``."""
+
+
+class CheckpointError(FuellineError, RuntimeError):
+    """A trainer checkpoint that cannot be loaded (unreadable, or holding more than plain data)."""
 
 
 class FingerprintMismatch(DataError):

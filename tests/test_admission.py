@@ -427,14 +427,16 @@ def test_messages_of_many_frames_are_refused_by_their_header_without_copying_the
 SOURCE = """
 import threading, time
 import numpy as np
+from fuelline.server.sources.contract import BatchSource
 
 BATCHES = 20
 
-class Counting:
+class Counting(BatchSource):
     sources = ("sample_id",)
     splits = ("train", "broken")
 
     def __init__(self, stall=False):
+        super().__init__()
         self.stall = stall
 
     def schema(self):
@@ -445,10 +447,13 @@ class Counting:
             raise ZeroDivisionError("a bug in the source")
         return {"rows": BATCHES * 64}
 
+    def fingerprint(self, split):
+        return {"batches": str(BATCHES)}
+
     def batches_per_epoch(self, split, rank, world_size):
         return BATCHES
 
-    def iter_batches(self, split, epoch, rank, world_size, start, sources, on_loss=None, **extra):
+    def iter_batches(self, split, epoch, rank, world_size, start, sources, on_loss=None, history=()):
         for i in range(start, BATCHES):
             if self.stall and i > start:
                 threading.Event().wait(60.0)

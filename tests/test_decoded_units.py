@@ -149,8 +149,8 @@ def test_a_data_set_that_fits_is_decoded_once() -> None:
 
 def test_a_closing_reader_does_not_break_the_one_sharing_its_decodes() -> None:
     gate = threading.Event()
-    source = CountingUnits(units=8, rows=10, block_units=8, gate=gate)
-    reference = CountingUnits(units=8, rows=10, block_units=8, decoded_cache_mb=0)
+    source = CountingUnits(units=8, rows=10, shuffle_block=8, gate=gate)
+    reference = CountingUnits(units=8, rows=10, shuffle_block=8, decoded_cache_mb=0)
     try:
         columns = source.column_specs(SOURCES)
         plan = source._plan("train", 0)
@@ -175,7 +175,7 @@ def test_a_closing_reader_does_not_break_the_one_sharing_its_decodes() -> None:
 
 
 def test_decoded_cache_option_is_checked() -> None:
-    with pytest.raises(DataError, match="--decoded-cache-mb"):
+    with pytest.raises(DataError, match="^decoded_cache_mb must be a whole number >= 0"):
         FakeUnits(decoded_cache_mb=-1)
 
 

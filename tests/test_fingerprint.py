@@ -210,7 +210,7 @@ def test_parquet_fingerprint_holds_what_orders_rows_and_nothing_else(sample_data
                                                       cache_mb=1, worker_timeout=5.0)]
     for source in same:
         assert source.fingerprint("train") == base
-    for options, part in [({"seed": 1}, "seed"), ({"batch_size": 32}, "batch_size"), ({"block_units": 2}, "shuffle_block")]:
+    for options, part in [({"seed": 1}, "seed"), ({"batch_size": 32}, "batch_size"), ({"shuffle_block": 2}, "shuffle_block")]:
         assert _differences(base, ParquetSource(str(sample_dataset), **options).fingerprint("train")) == [part]
     assert ParquetSource(str(sample_dataset)).fingerprint("val")["split"] == "val"
     touched = copy / "train" / "part-00001.parquet"

@@ -50,7 +50,7 @@ def test_no_shuffle_is_storage_order() -> None:
 
 
 def test_shuffle_mixes_rows_of_different_files_within_batches(sample_dataset: Path) -> None:
-    src = ParquetSource(str(sample_dataset), batch_size=64, seed=0, shuffle=True, block_units=4)
+    src = ParquetSource(str(sample_dataset), batch_size=64, seed=0, shuffle=True, shuffle_block=4)
     # Train has 4 files of 2000 rows: ids 0-1999 in file 0, 2000-3999 in file 1, ...
     batch = next(src.iter_batches("train", 0, 0, 1, 0, ("sample_id",)))
     files = set((batch["sample_id"] // 2000).tolist())

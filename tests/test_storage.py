@@ -352,7 +352,7 @@ def test_lru_eviction_under_budget_and_a_file_bigger_than_the_budget(
 
 def test_prefetch_runs_in_the_background_and_coalesces(sample_dataset: Path, s3: S3Bucket, tmp_path: Path) -> None:
     uri = s3.upload(sample_dataset, "sample")
-    source = ParquetSource(uri, cache_dir=str(tmp_path / "cache"), block_units=4)
+    source = ParquetSource(uri, cache_dir=str(tmp_path / "cache"), shuffle_block=4)
     try:
         units = list(range(len(source.unit_rows("train"))))
         source.prefetch_units("train", units)

@@ -219,7 +219,7 @@ def test_a_worker_stuck_on_a_unit_is_stopped_named_and_its_unit_fails_after_one_
 
 
 def test_worker_timeout_is_checked() -> None:
-    with pytest.raises(DataError, match="--worker-timeout"):
+    with pytest.raises(DataError, match="^worker_timeout must be >= 0"):
         FakeUnits(worker_timeout=-1.0)
     with pytest.raises(ValueError, match="task_timeout"):
         WorkerPool(FakeUnits(), 1, task_timeout=0.0)
@@ -323,7 +323,7 @@ def test_a_unit_that_kills_workers_under_each_bad_shard_mode(mode: str, caplog) 
 
 @pytest.mark.parametrize("workers", [0, 1])
 def test_prefetch_hears_of_the_blocks_ahead_in_the_serving_process(workers: int) -> None:
-    source = FakeUnits(units=9, block_units=2, prefetch=2, workers=workers)
+    source = FakeUnits(units=9, shuffle_block=2, prefetch=2, workers=workers)
     try:
         batches = list(source.iter_batches("train", 0, 0, 1, 0, source.sources))
     finally:

@@ -14,6 +14,7 @@ import numpy as np
 
 from fuelline.protocol import DataError
 from fuelline.server.sources.blocks import UnitSource
+from fuelline.server.sources.options import SourceOptions
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ class FakeUnits(UnitSource):
         options.setdefault("batch_size", 7)
         options.setdefault("seed", 0)
         options.setdefault("shuffle", True)
-        options.setdefault("block_units", 2)
-        super().__init__(**options)
+        options.setdefault("shuffle_block", 2)
+        super().__init__(SourceOptions.of(**options))
         self._columns = {
             "x": FakeColumn("x", "<f4", (2,)),
             "sample_id": FakeColumn("sample_id", "<i8", ()),
@@ -52,6 +53,12 @@ class FakeUnits(UnitSource):
         self.rows_per_unit = np.full(units, rows, dtype=np.int64)
         self.behaviour = behaviour or {}
         self.prefetched: list[tuple[int, list[int]]] = []  # (pid that was called, units)
+
+    def info(self, split: str) -> dict:
+        return {"kind": "fake-units", "units": len(self.rows_per_unit)}
+
+    def fingerprint(self, split: str) -> dict[str, str]:
+        return {"units": ",".join(map(str, self.rows_per_unit)), "batch_size": str(self.batch_size)}
 
     def unit_rows(self, split: str) -> np.ndarray:
         return self.rows_per_unit

@@ -23,11 +23,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fuelline.protocol.errors import CheckpointError
+
 __all__ = ["CheckpointError", "Checkpoints", "plain"]
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded (unreadable, or holding more than plain data)."""
 
 
 def plain(value: Any, where: str = "state") -> Any:

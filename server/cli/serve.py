@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 
-from fuelline.protocol import DataError
+from fuelline.protocol import DataError, OptionError
 from fuelline.protocol.common.argtypes import non_negative_float, non_negative_int, positive_int, seconds
 from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS
+from fuelline.server.sources.options import SourceOptions
 
 __all__ = ["register", "run"]
 
@@ -87,14 +89,25 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     serve.set_defaults(func=run)
 
 
+# Flags whose names are not the option's with dashes.
+FLAGS = {"window": "--window", "max_gap": "--max-gap"}
+
+
+def flag(option: str) -> str:
+    """The ``fuelline serve`` flag of a source option."""
+    return FLAGS.get(option, "--" + option.replace("_", "-"))
+
+
+def source_options(args: argparse.Namespace) -> SourceOptions:
+    """The unit sources' options from ``fuelline serve``'s flags (which share their names)."""
+    return SourceOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(SourceOptions)})
+
+
 def _open_source(args: argparse.Namespace):
     from fuelline.server.multimodal.manifest import is_converted_dataset
     from fuelline.server.sources.parquet import ParquetSource
 
-    common = dict(batch_size=args.batch_size, seed=args.seed, shuffle=args.shuffle, block_units=args.shuffle_block,
-                  on_bad_shard=args.on_bad_shard, workers=args.workers, prefetch=args.prefetch,
-                  decoded_cache_mb=args.decoded_cache_mb, worker_timeout=args.worker_timeout,
-                  cache_dir=args.cache_dir, cache_mb=args.cache_mb)
+    options = source_options(args)
     if is_converted_dataset(args.dataset):
         from fuelline.server.multimodal.source import WindowSource
         from fuelline.server.multimodal.stages import load_stage
@@ -102,11 +115,11 @@ def _open_source(args: argparse.Namespace):
         stages = [load_stage(spec) for spec in args.stage]
         return WindowSource(
             args.dataset, window=args.window, hop=args.hop, max_gap=args.max_gap, normalize=args.normalize,
-            stages=stages, **common,
+            stages=stages, options=options,
         )
     if args.stage:
         raise DataError("--stage applies to converted multimodal datasets (a manifest.json at DATASET)")
-    return ParquetSource(args.dataset, **common)
+    return ParquetSource(args.dataset, options)
 
 
 def _describe(info: dict) -> str:
@@ -129,7 +142,10 @@ def run(args: argparse.Namespace) -> int:
             "or pass --insecure on a network that is private by other means"
         )
     curve = CurveConfig.from_dir(args.curve_keys) if args.curve_keys else None  # before the dataset: fail fast
-    source = _open_source(args)
+    try:
+        source = _open_source(args)
+    except OptionError as exc:  # (a library error names the argument; here the flag)
+        raise DataError(f"{flag(exc.option)} {exc.rule}") from None
     for split in source.splits:
         info = source.info(split)
         log.info(

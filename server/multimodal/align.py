@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fuelline.protocol.errors import OptionError
+
 __all__ = ["Signal", "WindowSpec", "Validity", "candidate_starts", "validity", "resample"]
 
 
@@ -39,10 +41,11 @@ class WindowSpec:
     max_gap: int = 2
 
     def __post_init__(self) -> None:
-        if not self.length > 0 or not self.hop > 0:
-            raise ValueError(f"--window and --hop must be > 0 seconds, got {self.length} and {self.hop}")
+        for name, value in (("window", self.length), ("hop", self.hop)):
+            if not value > 0:
+                raise OptionError(name, f"must be > 0 seconds, got {value}")
         if self.max_gap < 0:
-            raise ValueError(f"--max-gap must be >= 0, got {self.max_gap}")
+            raise OptionError("max_gap", f"must be >= 0, got {self.max_gap}")
 
     def points(self, rate: float) -> int:
         """Grid points of one window at ``rate``."""

@@ -21,8 +21,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from fuelline.protocol import DataError
+from fuelline.protocol import DataError, OptionError
 from fuelline.server.sources.blocks import UnitSource
+from fuelline.server.sources.options import SourceOptions
 from fuelline.server.sources.fingerprint import callable_name, digest, files_part, skipped_summary, text_part, unit_parts
 from fuelline.server.sources.storage import Store, storage_info
 from fuelline.server.multimodal.manifest import MODALITIES, Manifest, Recording
@@ -76,7 +77,7 @@ class WindowSource(UnitSource):
         window, hop, max_gap: see ``fuelline.server.multimodal.align``.
         normalize: "zscore" (per channel, train-split statistics) or "none".
         stages: user stages run on every batch after normalisation (see ``stages``).
-        batch_size, seed, shuffle, block_units: as for every unit source.
+        options, **overrides: the options of every unit source (``SourceOptions``).
         workers, prefetch, decoded_cache_mb, worker_timeout: as for every unit source
             (``fuelline.server.sources.blocks.UnitSource``).
         cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache.disk``).
@@ -93,29 +94,16 @@ class WindowSource(UnitSource):
         max_gap: int = 2,
         normalize: str = "zscore",
         stages: Sequence[Stage] = (),
-        batch_size: int = 64,
-        seed: int = 0,
-        shuffle: bool = True,
-        block_units: int = 8,
-        on_bad_shard: str = "fail",
-        workers: int = 0,
-        prefetch: int = 0,
-        decoded_cache_mb: int = 1024,
-        worker_timeout: float = 300.0,
-        cache_dir: str | None = None,
-        cache_mb: int = 10240,
+        options: SourceOptions | None = None,
+        **overrides: Any,
     ) -> None:
-        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units,
-                         on_bad_shard=on_bad_shard, workers=workers, prefetch=prefetch,
-                         decoded_cache_mb=decoded_cache_mb, worker_timeout=worker_timeout)
+        options = SourceOptions.of(options, **overrides)
+        super().__init__(options)
         if normalize not in ("zscore", "none"):
-            raise DataError(f"--normalize must be zscore or none, got {normalize!r}")
-        try:
-            self.spec = WindowSpec(window, hop, max_gap)
-        except ValueError as exc:
-            raise DataError(str(exc)) from None
+            raise OptionError("normalize", f"must be zscore or none, got {normalize!r}")
+        self.spec = WindowSpec(window, hop, max_gap)
         self.root = path
-        self.store = Store(path, cache_dir=cache_dir, cache_mb=cache_mb, counters=self.counters)
+        self.store = Store(path, cache_dir=options.cache_dir, cache_mb=options.cache_mb, counters=self.counters)
         self._footers: dict[str, Any] = {}
         self.manifest = Manifest.load(self.store)
         self.normalize = normalize
@@ -315,11 +303,11 @@ class WindowSource(UnitSource):
             "max_gap": str(self.spec.max_gap),
             "normalize": self.normalize,
             "stages": text_part(",".join(self.stage_names)),
-            **unit_parts(self.batch_size, self.seed, self.shuffle, self.block_units),
+            **unit_parts(self.batch_size, self.seed, self.shuffle, self.shuffle_block),
         }
 
     def memory_per_client(self, split: str) -> int:
         """Bytes of windows one client's reader holds at most: three blocks of the largest recordings."""
         row = sum(int(np.prod(c.shape)) * np.dtype(c.dtype).itemsize for c in self._base)
-        top = np.sort(self._splits[split].unit_rows)[::-1][: 3 * self.block_units]
+        top = np.sort(self._splits[split].unit_rows)[::-1][: 3 * self.shuffle_block]
         return int(top.sum()) * row

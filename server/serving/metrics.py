@@ -86,16 +86,15 @@ class ServerCollector:
         source = self.server.source
         dropped = GaugeMetricFamily("fuelline_windows_dropped", "Windows left out of a split at start-up, by reason.",
                                     labels=["split", "reason"])
-        if hasattr(source, "dropped"):
-            for split in source.splits:
-                for reason, n in source.dropped(split).items():
-                    dropped.add_metric([split, reason], n)
+        for split in source.splits:
+            for reason, n in source.dropped(split).items():
+                dropped.add_metric([split, reason], n)
         yield dropped
-        skipped = getattr(source, "skipped", [])
+        skipped = source.skipped
         yield GaugeMetricFamily("fuelline_shards_skipped", "Shards or recordings left out (--on-bad-shard skip).",
                                 value=len(skipped))
-        configured = int(getattr(source, "workers", 0) or 0)
-        pids = source.worker_pids() if hasattr(source, "worker_pids") else []
+        configured = int(source.workers)
+        pids = source.worker_pids()
         yield GaugeMetricFamily("fuelline_workers_configured", "Worker processes asked for (--workers).", value=configured)
         yield GaugeMetricFamily("fuelline_workers_alive", "Worker processes running now.", value=len(pids))
 

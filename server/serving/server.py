@@ -282,7 +282,7 @@ class Server(Listener):
         wanted = hello.sources if hello.sources is not None else src.sources
         for name in wanted:
             if name not in src.sources:
-                why = getattr(src, "why_not_servable", lambda n: None)(name)
+                why = src.why_not_servable(name)
                 detail = why if why else f"this server has sources {list(src.sources)}"
                 self._reply(rid, ErrorCode.UNKNOWN_SOURCE, f"cannot serve source {name!r}: {detail}")
                 return
@@ -321,7 +321,7 @@ class Server(Listener):
             info=dict(src.info(hello.split)),
             local=self.local,
             # A source without one (a Fuel-style stream) leaves its clients nothing to hold to.
-            fingerprint=getattr(src, "fingerprint", lambda split: None)(hello.split),
+            fingerprint=src.fingerprint(hello.split),
         )
         # Before the Welcome: a session the server has no thread for is refused, not welcomed.
         if self._start(session) and self._send(rid, encode(welcome)) and old is None:

@@ -81,7 +81,7 @@ class Session:
         self._recent = recent
         # A unit source never writes a batch's arrays again; a Fuel stream may reuse its buffers
         # (see _remembered).
-        self._immutable = bool(getattr(source, "immutable_batches", False))
+        self._immutable = bool(source.immutable_batches)
         # What a cached batch must have been prepared for, besides its client and position.
         self._request = (hello.split, hello.rank, hello.world_size, hello.history, sources)
         self._checksum = checksum
@@ -226,17 +226,15 @@ class Session:
             yield arrays, False
             seq += 1
         # The first epoch may be one resumed from another world size (Hello.history).
-        extra = {"history": h.history} if h.history and epoch == h.epoch else {}
+        history = h.history if h.history and epoch == h.epoch else ()
         batches = self._source.iter_batches(
-            h.split, epoch, h.rank, h.world_size, seq, self.sources, on_loss=self._report_loss, **extra
+            h.split, epoch, h.rank, h.world_size, seq, self.sources, on_loss=self._report_loss, history=history
         )
         try:
             for arrays in batches:
                 yield arrays, True
         finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()
+            batches.close()
 
     def _produce(self) -> None:
         h = self.hello

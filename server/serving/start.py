@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS
+from fuelline.server.sources.contract import BatchSource
 from fuelline.server.sources.fuel import DEFAULT_BUFFER_MB, FuelStreamSource
 from fuelline.server.serving.keys import CurveConfig
 from fuelline.server.serving.server import Server
@@ -72,7 +73,7 @@ def start_server(
             falls further behind reads the stream again on its own, which a stream that shuffles
             differently on every call refuses with an error naming this option.
     """
-    source = data_stream if hasattr(data_stream, "iter_batches") else FuelStreamSource(data_stream, buffer_mb)
+    source = data_stream if isinstance(data_stream, BatchSource) else FuelStreamSource(data_stream, buffer_mb)
     curve = CurveConfig.from_dir(curve_keys) if curve_keys is not None else None
     server = Server(source, host=host, port=port, hwm=hwm, heartbeat=heartbeat, checksum=checksum, curve=curve,
                     memory_cache=memory_cache, insecure=insecure, max_clients=max_clients)

@@ -17,9 +17,7 @@ def counters(server: Any) -> dict[str, int]:
         out.update(server.recent.stats())
     # Read under the counts' own lock: read-ahead, prefetch and worker-pool threads add to
     # them meanwhile, and a dict that grows while it is copied raises.
-    counts = getattr(server.source, "counters", None)
-    if counts is not None:
-        out.update(counts.snapshot() if hasattr(counts, "snapshot") else dict(counts))
+    out.update(server.source.counters.snapshot())
     return out
 
 

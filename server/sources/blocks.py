@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Se
 import numpy as np
 
 from fuelline.protocol import DataError
-from fuelline.server.sources.counters import Counts
+from fuelline.server.sources.contract import BatchSource
+from fuelline.server.sources.options import SourceOptions
 from fuelline.server.cache.decoded import DecodedUnits
 from fuelline.server.sources.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows, remaining_order
 
@@ -45,18 +46,13 @@ class Column(Protocol):
     shape: tuple[int, ...]
 
 
-class UnitSource(abc.ABC):
+class UnitSource(BatchSource):
     """Base of sources whose data comes in units; subclasses implement ``unit_rows``,
     ``column_specs`` and ``decode_unit``, may override ``finish_batch``, and fill ``_columns``
     (name -> column with ``to_schema()``, in serving order) and ``_splits`` (name -> split).
 
-    Options every unit source takes:
-        workers: processes that decode units (``fuelline.server.workers.pool``); 0: read-ahead threads.
-        prefetch: blocks ahead whose remote files are fetched into the disk cache in the background.
-        decoded_cache_mb: decoded units kept in memory for every reader to share
-            (``fuelline.server.cache.decoded``); 0 for none.
-        worker_timeout: seconds a worker process may spend on one unit before its watchdog stops
-            it; 0 for no limit.
+    The options every unit source takes are one ``SourceOptions``
+    (``fuelline.server.sources.options``), checked when it is made.
     """
 
     _columns: Mapping[str, Any]
@@ -68,37 +64,20 @@ class UnitSource(abc.ABC):
     immutable_batches = True  # batches are never written once yielded (the memory tier keeps them as they are)
     store: Any = None  # where a subclass reads its files (fuelline.server.sources.storage.Store), if it has one
 
-    def __init__(
-        self, *, batch_size: int, seed: int, shuffle: bool, block_units: int, on_bad_shard: str = "fail",
-        workers: int = 0, prefetch: int = 0, decoded_cache_mb: int = 1024, worker_timeout: float = 300.0,
-    ) -> None:
-        if on_bad_shard not in ("fail", "skip"):
-            raise DataError(f"--on-bad-shard must be fail or skip, got {on_bad_shard!r}")
-        if batch_size < 1:
-            raise DataError(f"--batch-size must be >= 1, got {batch_size}")
-        if block_units < 1:
-            raise DataError(f"--shuffle-block must be >= 1, got {block_units}")
-        if workers < 0:
-            raise DataError(f"--workers must be >= 0, got {workers}")
-        if prefetch < 0:
-            raise DataError(f"--prefetch must be >= 0, got {prefetch}")
-        if not worker_timeout >= 0:
-            raise DataError(f"--worker-timeout must be >= 0 seconds, got {worker_timeout}")
-        if decoded_cache_mb < 0:
-            raise DataError(f"--decoded-cache-mb must be >= 0, got {decoded_cache_mb}")
-        self.batch_size = batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.block_units = block_units
-        self.on_bad_shard = on_bad_shard
-        self.workers = workers  # processes that decode units; 0: threads of this process
-        self.worker_timeout = worker_timeout  # seconds a worker may spend on one unit; 0: no limit
-        self.prefetch = prefetch  # blocks ahead whose shards are fetched into the local cache
-        self.decoded_cache_mb = decoded_cache_mb  # decoded units every reader shares (0: none)
-        self.skipped: list[dict[str, str]] = []  # shards left out at start-up (skip mode)
-        # Event counts for the server's metrics (cache hits and misses per tier, worker restarts...);
-        # worker processes count in their own copy and send the increments back with each result.
-        self.counters = Counts()
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+        self.batch_size = options.batch_size
+        self.seed = options.seed
+        self.shuffle = options.shuffle
+        self.shuffle_block = options.shuffle_block
+        self.on_bad_shard = options.on_bad_shard
+        self.workers = options.workers  # processes that decode units; 0: threads of this process
+        self.worker_timeout = options.worker_timeout  # seconds a worker may spend on one unit; 0: no limit
+        self.prefetch = options.prefetch  # blocks ahead whose shards are fetched into the local cache
+        self.decoded_cache_mb = options.decoded_cache_mb  # decoded units every reader shares (0: none)
+        # (``counters``: worker processes count in their own copy and send the increments back
+        # with each result.)
+        super().__init__()
         self._pool: ThreadPoolExecutor | None = None
         self._process_pool: WorkerPool | None = None
         self._decoded: DecodedUnits | None = None
@@ -166,9 +145,6 @@ class UnitSource(abc.ABC):
     def schema(self) -> Mapping[str, Mapping[str, Any]]:
         return {name: column.to_schema() for name, column in self._columns.items()}
 
-    def why_not_servable(self, name: str) -> str | None:
-        return None
-
     def rows(self, split: str) -> int:
         return int(self.unit_rows(split).sum())
 
@@ -177,7 +153,7 @@ class UnitSource(abc.ABC):
 
     @functools.lru_cache(maxsize=8)
     def _plan(self, split: str, epoch: int) -> EpochPlan:
-        plan = epoch_plan(self.unit_rows(split), self.seed, epoch, self.shuffle, self.block_units)
+        plan = epoch_plan(self.unit_rows(split), self.seed, epoch, self.shuffle, self.shuffle_block)
         plan.order.setflags(write=False)
         return plan
 
@@ -196,7 +172,7 @@ class UnitSource(abc.ABC):
                 try:
                     pool = WorkerPool(self, self.workers, task_timeout=self.worker_timeout or None)
                 except (pickle.PicklingError, TypeError, AttributeError) as exc:
-                    raise WorkerError(f"--workers: this source cannot be copied into worker processes: {exc}") from exc
+                    raise WorkerError(f"workers: this source cannot be copied into worker processes: {exc}") from exc
                 pool.start()
                 self._process_pool = pool
             return self._process_pool
@@ -321,7 +297,7 @@ class BlockReader:
         self.prefetch = prefetch
         self.prefetch_blocks = prefetch_blocks
         self.prefetched = 0  # blocks 1 … prefetched were handed to prefetch already
-        k = plan.block_units
+        k = plan.shuffle_block
         perm = plan.unit_perm
         self.n_blocks = -(-len(perm) // k)
         self.block_of_unit = np.empty(len(perm), dtype=np.int64)
@@ -337,7 +313,7 @@ class BlockReader:
         self._read_ahead(0)  # the first block too: its units decode side by side, not one by one
 
     def _units(self, b: int) -> list[int]:
-        k = self.plan.block_units
+        k = self.plan.shuffle_block
         return [int(u) for u in self.plan.unit_perm[b * k : (b + 1) * k] if self.unit_rows[u]]
 
     def _submit_block(self, b: int) -> list[tuple[int, Future | None]]:

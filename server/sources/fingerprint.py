@@ -51,12 +51,12 @@ def files_part(files: Sequence[FileStat], *, mtimes: bool) -> str:
     return f"{len(entries)} file{'s' * (len(entries) != 1)} #{digest(entries)}"
 
 
-def unit_parts(batch_size: int, seed: int, shuffle: bool, block_units: int) -> dict[str, str]:
+def unit_parts(batch_size: int, seed: int, shuffle: bool, shuffle_block: int) -> dict[str, str]:
     """The parts every unit source has: how its rows are ordered and cut into batches. Seed and
     shuffle block order nothing when rows are served in storage order, so they are left out then."""
     parts = {"order": ORDER_VERSION, "batch_size": str(batch_size), "shuffle": str(bool(shuffle)).lower()}
     if shuffle:
-        parts.update(seed=str(seed), shuffle_block=str(block_units))
+        parts.update(seed=str(seed), shuffle_block=str(shuffle_block))
     return parts
 
 

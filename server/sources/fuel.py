@@ -18,6 +18,7 @@ import numpy as np
 
 from fuelline.protocol import DataError
 from fuelline.protocol.messages import MAX_HISTORY_WORLD
+from fuelline.server.sources.contract import BatchSource
 from fuelline.server.sources.fuel_epochs import SharedEpochs
 
 __all__ = ["FuelStreamSource", "MAX_WORLD", "DEFAULT_BUFFER_MB"]
@@ -30,7 +31,7 @@ MAX_WORLD = MAX_HISTORY_WORLD
 MAX_PART = 200  # characters of a fingerprint part kept
 
 
-class FuelStreamSource:
+class FuelStreamSource(BatchSource):
     """Adapts Fuel-style streams (one, or a mapping of split name to stream).
 
     Args:
@@ -45,6 +46,7 @@ class FuelStreamSource:
     def __init__(self, data_stream: Any, buffer_mb: int = DEFAULT_BUFFER_MB) -> None:
         if not isinstance(buffer_mb, int) or buffer_mb < 0:
             raise ValueError(f"buffer_mb must be a whole number of MB >= 0, got {buffer_mb!r}")
+        super().__init__()
         streams = data_stream if isinstance(data_stream, Mapping) else {DEFAULT_SPLIT: data_stream}
         if not streams:
             raise DataError("start_server needs at least one data stream")
@@ -77,9 +79,6 @@ class FuelStreamSource:
     def schema(self) -> Mapping[str, Mapping[str, Any]]:
         # Unknown until a batch exists, and peeking would advance the stream's state.
         return {name: {"dtype": None, "shape": None} for name in self._sources}
-
-    def why_not_servable(self, name: str) -> str | None:
-        return None
 
     def info(self, split: str) -> Mapping[str, Any]:
         return {"kind": "fuel-stream", "split": split, "splits": list(self._streams), "stream": type(self._streams[split]).__name__}

@@ -5,7 +5,7 @@ Order, in three steps:
 1. **Units.** The dataset is a list of units (Parquet row groups, in file order). The epoch's
    generator, seeded by (seed, epoch), permutes the units, so every epoch walks the files in a
    different order.
-2. **Blocks.** Consecutive runs of ``block_units`` units of that permutation form a block; rows are
+2. **Blocks.** Consecutive runs of ``shuffle_block`` units of that permutation form a block; rows are
    permuted within each block. Rows of different files end up side by side, and a reader needs
    only one block of decoded units in memory at a time.
 3. **Ranks.** The epoch's row sequence is padded by wrapping around to a multiple of world_size
@@ -39,16 +39,16 @@ class EpochPlan:
     Attributes:
         order: global row ids in serving order (before sharding).
         unit_perm: the units in serving order.
-        block_units: consecutive units of ``unit_perm`` whose rows are mixed together.
+        shuffle_block: consecutive units of ``unit_perm`` whose rows are mixed together.
     """
 
     order: np.ndarray
     unit_perm: np.ndarray
-    block_units: int
+    shuffle_block: int
 
 
 def epoch_plan(
-    unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, block_units: int = 8
+    unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, shuffle_block: int = 8
 ) -> EpochPlan:
     """The plan of one epoch.
 
@@ -56,14 +56,14 @@ def epoch_plan(
         unit_lengths: rows per unit, in storage order; global row ids count through them.
         seed, epoch: the epoch's generator is seeded by both.
         shuffle: False serves storage order (one unit per block).
-        block_units: how many consecutive units (after the unit permutation) mix their rows.
+        shuffle_block: how many consecutive units (after the unit permutation) mix their rows.
     """
     lengths = np.asarray(unit_lengths, dtype=np.int64)
     total = int(lengths.sum())
     if not shuffle:
         return EpochPlan(np.arange(total, dtype=np.int64), np.arange(len(lengths)), 1)
-    if block_units < 1:
-        raise ValueError(f"block_units must be >= 1, got {block_units}")
+    if shuffle_block < 1:
+        raise ValueError(f"shuffle_block must be >= 1, got {shuffle_block}")
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     rng = epoch_rng(seed, epoch)
     perm = rng.permutation(len(lengths))
@@ -71,18 +71,18 @@ def epoch_plan(
     # Row ids of the permuted units, laid end to end, without a Python loop over rows.
     offsets = np.repeat(starts[perm] - np.concatenate([[0], np.cumsum(perm_lengths)[:-1]]), perm_lengths)
     order = np.arange(total, dtype=np.int64) + offsets
-    bounds = np.concatenate([[0], np.cumsum(perm_lengths)])[::block_units]
+    bounds = np.concatenate([[0], np.cumsum(perm_lengths)])[::shuffle_block]
     bounds = np.append(bounds, total) if bounds[-1] != total else bounds
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         order[lo:hi] = order[lo:hi][rng.permutation(hi - lo)]
-    return EpochPlan(order, perm, block_units)
+    return EpochPlan(order, perm, shuffle_block)
 
 
 def epoch_order(
-    unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, block_units: int = 8
+    unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, shuffle_block: int = 8
 ) -> np.ndarray:
     """Global row ids of one epoch, in the order they are served (before sharding)."""
-    return epoch_plan(unit_lengths, seed, epoch, shuffle, block_units).order
+    return epoch_plan(unit_lengths, seed, epoch, shuffle, shuffle_block).order
 
 
 def rows_per_rank(total: int, world_size: int) -> int:

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from fuelline.protocol import DataError
 from fuelline.server.sources.columns import ColumnSpec, column_spec, to_numpy
 from fuelline.server.sources.blocks import UnitSource
+from fuelline.server.sources.options import SourceOptions
 from fuelline.server.sources.fingerprint import files_part, skipped_summary, unit_parts
 from fuelline.server.sources.storage import Store, storage_info
 
@@ -87,34 +88,23 @@ class ParquetSource(UnitSource):
     Args:
         path: the dataset directory (or one .parquet file): a local path or a URI such as
             ``s3://bucket/prefix`` (see ``fuelline.server.sources.storage``).
-        batch_size: rows per batch; the last batch of an epoch may be shorter.
-        seed: seeds every epoch's order together with the epoch number.
-        shuffle: False serves rows in storage order.
-        block_units: row groups whose rows are mixed together (bounds memory per client to
-            ``2 × block_units + 1`` decoded row groups).
-        workers, prefetch, decoded_cache_mb, worker_timeout: as for every unit source
-            (``fuelline.server.sources.blocks.UnitSource``).
-        cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache.disk``).
+        options: the options of every unit source (``SourceOptions``: batch size, seed, shuffle,
+            shuffle block, workers, caches...); the last batch of an epoch may be shorter, and
+            ``shuffle_block`` row groups are mixed together (bounding memory per client to
+            ``2 × shuffle_block + 1`` decoded row groups).
+        **overrides: any of those options by name (``ParquetSource(path, batch_size=32)``).
 
     Raises:
+        OptionError: an option out of range, naming it.
+        TypeError: an override that is not an option.
         DataError: the path holds no Parquet, files disagree on a column's type, a split is empty.
     """
 
-    def __init__(
-        self, path: str, *, batch_size: int = 64, seed: int = 0, shuffle: bool = True, block_units: int = 8,
-        on_bad_shard: str = "fail",
-        workers: int = 0,
-        prefetch: int = 0,
-        decoded_cache_mb: int = 1024,
-        worker_timeout: float = 300.0,
-        cache_dir: str | None = None,
-        cache_mb: int = 10240,
-    ) -> None:
-        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, block_units=block_units,
-                         on_bad_shard=on_bad_shard, workers=workers, prefetch=prefetch,
-                         decoded_cache_mb=decoded_cache_mb, worker_timeout=worker_timeout)
+    def __init__(self, path: str, options: SourceOptions | None = None, **overrides: Any) -> None:
+        options = SourceOptions.of(options, **overrides)
+        super().__init__(options)
         self.path = path
-        self.store = Store(path, cache_dir=cache_dir, cache_mb=cache_mb, counters=self.counters)
+        self.store = Store(path, cache_dir=options.cache_dir, cache_mb=options.cache_mb, counters=self.counters)
         self._columns: dict[str, ColumnSpec] = {}
         self.unservable: dict[str, str] = {}
         self._splits = {name: self._scan(name, files) for name, files in find_splits(self.store).items()}
@@ -220,7 +210,7 @@ class ParquetSource(UnitSource):
             "batch_size": self.batch_size,
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "shuffle_block": self.block_units,
+            "shuffle_block": self.shuffle_block,
             **skipped_summary(self.skipped, split, "skipped_shards"),
             "storage": storage_info(self.store),
         }
@@ -235,13 +225,13 @@ class ParquetSource(UnitSource):
             "kind": "parquet",
             "split": sp.name,
             "files": files_part([self.store.stat(rel) for rel in sp.rels], mtimes=True),
-            **unit_parts(self.batch_size, self.seed, self.shuffle, self.block_units),
+            **unit_parts(self.batch_size, self.seed, self.shuffle, self.shuffle_block),
         }
 
     def memory_per_client(self, split: str) -> int:
         """Upper bound of decoded row-group bytes one client's reader holds: two blocks in use,
         one being read ahead, and a row group being copied into it."""
-        return (3 * self.block_units + 1) * self._splits[split].max_unit_bytes
+        return (3 * self.shuffle_block + 1) * self._splits[split].max_unit_bytes
 
     # -- UnitSource ---------------------------------------------------------------------------
     def unit_rows(self, split: str) -> np.ndarray:

@@ -22,18 +22,13 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
-from fuelline.protocol import DataError, FuellineError
+from fuelline.protocol import DataError, WorkerError
 from fuelline.server.workers import handoff
 from fuelline.server.workers.child import worker_main
 
 __all__ = ["CRASH_SIGNALS", "WorkerError", "WorkerPoolBroken", "WorkerSupervision", "describe_exit"]
 
 log = logging.getLogger("fuelline.server")
-
-
-class WorkerError(FuellineError):
-    """A worker raised something other than DataError (a bug, most likely), or the pool closed
-    while a task waited. The worker's traceback is the ``__cause__``."""
 
 
 class WorkerPoolBroken(WorkerError):
