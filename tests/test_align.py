@@ -74,9 +74,9 @@ def test_a_late_device_leaves_early_windows_uncovered_and_counted() -> None:
 
 
 def test_window_spec_rejects_nonsense() -> None:
-    with pytest.raises(ValueError, match="--window"):
+    with pytest.raises(ValueError, match="^window must be > 0"):
         WindowSpec(0.0, 1.0, 2)
-    with pytest.raises(ValueError, match="--max-gap"):
+    with pytest.raises(ValueError, match="^max_gap must be >= 0"):
         WindowSpec(2.0, 1.0, -1)
 
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from fuelline.protocol import DataError
 from fuelline.protocol.common.atomic import atomic_directory
 from fuelline.server.multimodal.manifest import EMOTIONS, MANIFEST_NAME, MODALITIES, Manifest, Modality, Placement, Recording
-from fuelline.server.ingest.rawformat import RawDataset, RawRecording, Signal, check_same_channels
+from fuelline.server.ingest.rawformat import RawDataset, RawRecording, RawSignal, check_same_channels
 
 __all__ = ["convert", "assign_splits"]
 
@@ -101,7 +101,7 @@ def _schema(channels: int) -> pa.Schema:
     return pa.schema([pa.field("t", pa.float64(), nullable=False), x])
 
 
-def _table(signal: Signal) -> pa.Table:
+def _table(signal: RawSignal) -> pa.Table:
     n, c = signal.x.shape
     samples = np.ascontiguousarray(signal.x, dtype="<f4")
     x = pa.FixedSizeBinaryArray.from_buffers(pa.binary(4 * c), n, [None, pa.py_buffer(samples)])
@@ -128,7 +128,7 @@ class _Shard:
             )
         return self._writers[modality]
 
-    def append(self, signals: Mapping[str, Signal]) -> dict[str, Placement]:
+    def append(self, signals: Mapping[str, RawSignal]) -> dict[str, Placement]:
         placements = {}
         for modality, signal in signals.items():
             table = _table(signal)
@@ -154,7 +154,7 @@ def _recording(raw: RawRecording, split: str, placements: Mapping[str, Placement
 
 
 def _read_ahead(source: RawDataset, recordings: Sequence[RawRecording],
-                workers: int) -> Iterator[tuple[RawRecording, dict[str, Signal]]]:
+                workers: int) -> Iterator[tuple[RawRecording, dict[str, RawSignal]]]:
     """Each recording with its signals, in order, parsed by a few threads ahead of the writer.
 
     Parsing the TSV is most of the work and Arrow does it without the GIL, so reading the next
@@ -204,14 +204,14 @@ class _Conversion:
             if shard is not None:
                 shard.close()
 
-    def _check_channels(self, signals: Mapping[str, Signal]) -> None:
+    def _check_channels(self, signals: Mapping[str, RawSignal]) -> None:
         for modality, signal in signals.items():
             if modality in self.channels:
                 check_same_channels(signal, self.channels[modality])
             else:
                 self.channels[modality] = signal.channels
 
-    def _account(self, raw: RawRecording, signals: Mapping[str, Signal], placements: Mapping[str, Placement]) -> None:
+    def _account(self, raw: RawRecording, signals: Mapping[str, RawSignal], placements: Mapping[str, Placement]) -> None:
         split = self.splits[raw.id]
         self.recordings.append(_recording(raw, split, placements))
         for modality, signal in signals.items():

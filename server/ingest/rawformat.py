@@ -31,7 +31,7 @@ __all__ = [
     "CHANNELS",
     "RawRecording",
     "Clock",
-    "Signal",
+    "RawSignal",
     "RawDataset",
     "read_signal",
     "check_same_channels",
@@ -76,7 +76,7 @@ class Clock:
 
 
 @dataclass(frozen=True)
-class Signal:
+class RawSignal:
     """One recording's samples of one device: master-clock times and an (n, C) float32 matrix."""
 
     t: np.ndarray
@@ -218,7 +218,7 @@ def _channel_matrix(path: str, table: pa.Table, channels: Sequence[str]) -> np.n
 
 
 def read_signal(path: str, modality: str, clock: Clock = Clock(),
-                channels: Sequence[str] | None = None) -> Signal:
+                channels: Sequence[str] | None = None) -> RawSignal:
     """Read one modality file, check it, and map its timestamps to the master clock.
 
     Args:
@@ -235,7 +235,7 @@ def read_signal(path: str, modality: str, clock: Clock = Clock(),
     _check_finite(path, "timestamp", t_dev)
     _check_ascending(path, t_dev)
     x = _channel_matrix(path, table, expected)
-    return Signal(t=clock.to_master(t_dev), x=x, channels=expected, path=path, nbytes=os.path.getsize(path))
+    return RawSignal(t=clock.to_master(t_dev), x=x, channels=expected, path=path, nbytes=os.path.getsize(path))
 
 
 # -- the index files ---------------------------------------------------------------------------
@@ -339,7 +339,7 @@ class RawDataset:
     def clock(self, recording_id: str, modality: str) -> Clock:
         return self.clocks.get((recording_id, modality), Clock())
 
-    def read(self, rec: RawRecording) -> dict[str, Signal]:
+    def read(self, rec: RawRecording) -> dict[str, RawSignal]:
         """Every modality of one recording, on the master clock, in ``MODALITIES`` order.
 
         Safe to call from several threads at once. That video has the same D in every recording
@@ -348,7 +348,7 @@ class RawDataset:
         return {m: read_signal(self.path(rec.id, m), m, self.clock(rec.id, m)) for m in MODALITIES}
 
 
-def check_same_channels(signal: Signal, channels: Sequence[str]) -> None:
+def check_same_channels(signal: RawSignal, channels: Sequence[str]) -> None:
     """Refuse a file whose channels differ from those of the recordings before it (video's D)."""
     if tuple(signal.channels) != tuple(channels):
         raise DataError(

@@ -62,7 +62,7 @@ class WindowColumn:
 
 
 @dataclass
-class _Split:
+class _WindowSplit:
     recordings: list[tuple[int, Recording]]  # (index in the manifest, recording)
     windows: list[Validity]
     unit_rows: np.ndarray
@@ -171,7 +171,7 @@ class WindowSource(UnitSource):
             out[m] = Signal(t, x, float(self.manifest.modalities[m].rate), nearest=m in NEAREST)
         return out
 
-    def _scan(self, split: str) -> _Split:
+    def _scan(self, split: str) -> _WindowSplit:
         recs, windows = [], []
         for i, r in enumerate(self.manifest.recordings):
             if r.split != split:
@@ -187,7 +187,7 @@ class WindowSource(UnitSource):
             recs.append((i, r))
             windows.append(v)
         rows = np.array([int(v.valid.sum()) for v in windows], dtype=np.int64)
-        return _Split(recs, windows, rows)
+        return _WindowSplit(recs, windows, rows)
 
     def _probe_columns(self) -> dict[str, WindowColumn]:
         """What the pipeline serves: run it once on two windows of the first recording that has any."""
@@ -201,7 +201,7 @@ class WindowSource(UnitSource):
         raise DataError(f"{self.store.where()}: no valid window in any recording with --window {self.spec.length} --hop {self.spec.hop}")
 
     # -- windows ---------------------------------------------------------------------------------
-    def _windows(self, split: _Split, u: int, limit: int | None = None) -> dict[str, np.ndarray]:
+    def _windows(self, split: _WindowSplit, u: int, limit: int | None = None) -> dict[str, np.ndarray]:
         index, rec = split.recordings[u]
         v = split.windows[u]
         k = np.flatnonzero(v.valid)[:limit]

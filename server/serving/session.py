@@ -33,7 +33,7 @@ __all__ = ["Session"]
 log = logging.getLogger("fuelline.server")
 
 # An item ready to send: (kind, frames); kind "batch" needs credit, the others do not.
-Item = tuple[str, list[Any]]
+Outgoing = tuple[str, list[Any]]
 
 
 class Session:
@@ -86,7 +86,7 @@ class Session:
         self._request = (hello.split, hello.rank, hello.world_size, hello.history, sources)
         self._checksum = checksum
         self._wake = wake
-        self._ready: deque[Item] = deque()
+        self._ready: deque[Outgoing] = deque()
         self._cond = threading.Condition()
         self._stopped = False
         self._producer_waiting = False
@@ -151,9 +151,9 @@ class Session:
         """Whether the client has never granted credit, for at least ``grace`` seconds."""
         return not self.granted and now - self.created >= grace
 
-    def take_sendable(self) -> list[Item]:
+    def take_sendable(self) -> list[Outgoing]:
         """Items the loop may send now, in order, with their credit already taken."""
-        out: list[Item] = []
+        out: list[Outgoing] = []
         if not self._ready:
             return out  # (a racy peek is fine: a producer that appends rings the loop again)
         with self._cond:
@@ -171,7 +171,7 @@ class Session:
         return out
 
     # -- producer thread -----------------------------------------------------------------------
-    def _put(self, item: Item) -> bool:
+    def _put(self, item: Outgoing) -> bool:
         with self._cond:
             while len(self._ready) >= self.hwm and not self._stopped:
                 self._producer_waiting = True

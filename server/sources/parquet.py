@@ -68,7 +68,7 @@ def _find_splits(store: Store) -> dict[str, list[str]]:
 
 
 @dataclass
-class _Split:
+class _ParquetSplit:
     name: str
     files: list[str]  # per file: how messages name it (its path, or its URI)
     rels: list[str]  # per file: its path relative to the dataset root, for the store
@@ -118,7 +118,7 @@ class ParquetSource(UnitSource):
         self._fingerprints = {name: self._fingerprint(sp) for name, sp in self._splits.items()}
 
     # -- scanning ----------------------------------------------------------------------------
-    def _scan(self, split: str, rels: list[str]) -> _Split:
+    def _scan(self, split: str, rels: list[str]) -> _ParquetSplit:
         unit_file, unit_group, unit_rows, unit_bytes, metadata = [], [], [], [], []
         disk = 0
         kept: list[str] = []
@@ -157,7 +157,7 @@ class ParquetSource(UnitSource):
         rows = np.asarray(unit_rows, dtype=np.int64)
         if not rows.sum():
             raise DataError(f"split {split!r} of dataset {self.store.where()!r} holds no rows")
-        return _Split(
+        return _ParquetSplit(
             name=split,
             files=kept,
             rels=kept_rels,
@@ -220,7 +220,7 @@ class ParquetSource(UnitSource):
         (relative names, sizes, mtimes), seed, batch size and shuffle."""
         return dict(self._fingerprints[split])
 
-    def _fingerprint(self, sp: _Split) -> dict[str, str]:
+    def _fingerprint(self, sp: _ParquetSplit) -> dict[str, str]:
         return {
             "kind": "parquet",
             "split": sp.name,
