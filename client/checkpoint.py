@@ -15,9 +15,9 @@ A state is a plain dict, so that it goes into a torch checkpoint as it is:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
-__all__ = ["STATE_FORMAT", "Resume", "position_state", "resume_from"]
+__all__ = ["STATE_FORMAT", "Resume", "position_state", "resume_from", "stream_from_state"]
 
 STATE_FORMAT = 1
 
@@ -85,3 +85,12 @@ def _state_fingerprint(state: Mapping[str, Any]) -> dict[str, str] | None:
                                                        for k, v in fingerprint.items()):
         raise ValueError(f"state has an invalid fingerprint {fingerprint!r:.200}; expected a map of strings")
     return dict(fingerprint)
+
+
+def stream_from_state(cls: Callable[..., Any], config: Mapping[str, Any], state: Mapping[str, Any]) -> Any:
+    """Rebuild a pickled ``ServerDataStream``: a new stream of the same arguments (connected on
+    first use) at the saved position. Without a ``client_id`` of the user's, it gets a new random
+    one, so that a copy never takes over the original's sessions."""
+    stream = cls(**config)
+    stream.load_state_dict(state)
+    return stream

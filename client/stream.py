@@ -10,9 +10,10 @@ from typing import Any, Iterator, Mapping, Sequence
 import zmq
 
 from fuelline.client.checkpoint import STATE_FORMAT as STATE_FORMAT  # (re-exported: it was defined here)
-from fuelline.client.checkpoint import position_state, resume_from
+from fuelline.client.checkpoint import position_state, resume_from, stream_from_state
 from fuelline.client.connection import Connection, Item
 from fuelline.client.curve import CurveKeys
+from fuelline.client.signature import stream_arguments
 from fuelline.protocol.common.endpoints import tcp_endpoint
 from fuelline.protocol import DEFAULT_LIMITS, DataError, FingerprintMismatch, Hello, Limits, ProtocolError, ReceiveTimeout
 
@@ -37,10 +38,16 @@ class ServerDataStream:
     ``as_dict=True``; numpy arrays rebuilt on the received frames without a copy, or torch tensors
     on the same memory with ``tensors=True``.
 
+    Positional arguments after ``sources`` are ``(host, port, hwm)``, or Fuel 0.2's
+    ``(produces_examples, host, port, hwm, axis_labels)`` when the first is a bool. A stream
+    pickles without its connections: the copy connects on first use, at the original's position.
+
     Args:
         sources: the sources wanted, in order; None for every source the server has.
-        host, port: the data server.
+        host, port: the data server (default localhost:5557).
         hwm: batches held at most (in flight plus received and not yet taken): the prefetch depth.
+        produces_examples: Fuel's flag; only False (batches) can be honoured, True raises ValueError.
+        axis_labels: Fuel's axis labels, kept as ``.axis_labels``.
         rank, world_size: this reader's share of each epoch; default torchrun's RANK / WORLD_SIZE,
             else 0 / 1.
         split: which split of the dataset to read ("train", "val"...).
@@ -81,10 +88,12 @@ class ServerDataStream:
     def __init__(
         self,
         sources: Sequence[str] | None = None,
-        host: str = "localhost",
-        port: int = 5557,
-        hwm: int = 10,
-        *,
+        *args: Any,
+        host: str | None = None,
+        port: int | None = None,
+        hwm: int | None = None,
+        produces_examples: bool | None = None,
+        axis_labels: Mapping[str, Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,
         split: str = "train",
@@ -101,6 +110,9 @@ class ServerDataStream:
         curve_keys: str | os.PathLike[str] | CurveKeys | None = None,
         local: bool = True,
     ) -> None:
+        self._config = stream_arguments(locals(), args)  # (also what rebuilds it: __reduce__)
+        host, port, hwm = self._config["host"], self._config["port"], self._config["hwm"]
+        self.produces_examples, self.axis_labels = False, self._config["axis_labels"]
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
         if timeout <= 0 or heartbeat <= 0 or connect_timeout <= 0:
@@ -258,6 +270,11 @@ class ServerDataStream:
         for conn in self._conns:
             conn.close()
         self._conns = []
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The rank and world size as they are now, whatever RANK / WORLD_SIZE say where it is loaded.
+        config = {**self._config, "context": None, "rank": self.rank, "world_size": self.world_size}
+        return stream_from_state, (type(self), config, self.state_dict())
 
     def __enter__(self) -> "ServerDataStream":
         return self

@@ -1,0 +1,149 @@
+"""``ServerDataset`` in a torch ``DataLoader``: with 0 or K workers, persistent or not, forked or
+spawned, an epoch is every row of the rank's share exactly once, each DataLoader epoch is the
+server's next one, and torchdata's ``StatefulDataLoader`` resumes an epoch mid-way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DataLoader  # noqa: E402
+
+from fuelline.client import ServerDataset, ServerDataStream  # noqa: E402
+from fuelline.client.dataset import worker_run  # noqa: E402
+
+TIMEOUT = 20.0  # the client's and the DataLoader's deadline for any one wait
+# 8 000 train rows: world size 3 gives each rank 2 667 rows, 27 batches of 100; with 2 workers,
+# runs of 14 and 13. (Ranks 3·r+w of world 6 would cover 2 668 rows: sharding the rank again
+# is not its share.)
+BATCH = "100"
+WORLD = 3
+pytestmark = pytest.mark.timeout(60)
+
+
+def reference(endpoint: str, rank: int, world_size: int, epochs: int) -> list[list[tuple[int, ...]]]:
+    """Each epoch's batches (their sample ids) as one reader of the rank gets them."""
+    with ServerDataStream(("sample_id",), endpoints=[endpoint], rank=rank, world_size=world_size,
+                          timeout=TIMEOUT) as stream:
+        return [[tuple(b[0].tolist()) for b in stream.get_epoch_iterator()] for _ in range(epochs)]
+
+
+def interleaved(batches: list, workers: int) -> list:
+    """The order a DataLoader hands out the workers' runs: one batch of each worker in turn."""
+    if workers == 0:
+        return list(batches)
+    runs = []
+    for w in range(workers):
+        first, count = worker_run(len(batches), w, workers)
+        runs.append(batches[first:first + count])
+    return [run[i] for i in range(max(map(len, runs))) for run in runs if i < len(run)]
+
+
+def ids(batches) -> list[tuple[int, ...]]:
+    return [tuple(b[0].tolist()) for b in batches]
+
+
+def loader(endpoint: str, rank: int, world_size: int, workers: int, **options) -> DataLoader:
+    dataset = ServerDataset(("sample_id",), endpoints=[endpoint], rank=rank, world_size=world_size, timeout=TIMEOUT)
+    timeout = {"timeout": TIMEOUT} if workers else {}
+    return DataLoader(dataset, batch_size=None, num_workers=workers, **timeout, **options)
+
+
+@pytest.mark.parametrize("workers, persistent", [(0, False), (2, False), (2, True)])
+def test_each_epoch_is_the_next_one_and_every_row_of_the_ranks_share_once(
+    sample_dataset: Path, start_serve, workers: int, persistent: bool
+) -> None:
+    server = start_serve(sample_dataset, "--batch-size", BATCH)
+    expected = reference(server.endpoint, 1, WORLD, 2)
+    options = {"persistent_workers": True} if persistent else {}
+    dl = loader(server.endpoint, 1, WORLD, workers, **options)
+    epochs = [ids(dl), ids(dl)]
+    for e in range(2):
+        # The rank's own batches, each once, each worker's run in the order the server serves it.
+        assert epochs[e] == interleaved(expected[e], workers)
+        rows = [i for batch in epochs[e] for i in batch]
+        assert len(rows) == len(set(rows)) == 2667
+    assert epochs[0] != epochs[1] and sorted(epochs[0]) != sorted(epochs[1])
+
+
+def test_len_is_the_ranks_batches_per_epoch(sample_dataset: Path, start_serve) -> None:
+    server = start_serve(sample_dataset, "--batch-size", BATCH)
+    dl = loader(server.endpoint, 1, WORLD, 2)
+    assert len(dl) == len(dl.dataset) == 27
+    assert len(ids(dl)) == 27
+
+
+def test_two_ranks_are_disjoint_and_together_the_whole_epoch(sample_dataset: Path, start_serve) -> None:
+    server = start_serve(sample_dataset, "--batch-size", BATCH)
+    rows = {rank: [i for batch in ids(loader(server.endpoint, rank, 2, 2)) for i in batch] for rank in range(2)}
+    assert len(rows[0]) == len(set(rows[0])) == len(rows[1]) == len(set(rows[1])) == 4000
+    assert not set(rows[0]) & set(rows[1])
+    assert sorted(rows[0] + rows[1]) == list(range(8000))
+
+
+def test_set_epoch_picks_the_epoch_in_new_workers(sample_dataset: Path, start_serve) -> None:
+    server = start_serve(sample_dataset, "--batch-size", BATCH)
+    expected = reference(server.endpoint, 0, WORLD, 3)
+    dl = loader(server.endpoint, 0, WORLD, 2)
+    dl.dataset.set_epoch(2)
+    assert ids(dl) == interleaved(expected[2], 2)
+    dl.dataset.set_epoch(1)
+    assert ids(dl) == interleaved(expected[1], 2)
+    assert ids(dl) == interleaved(expected[2], 2)  # and on from there
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_mid_epoch_exactly_once(sample_dataset: Path, start_serve, workers: int) -> None:
+    stateful = pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is in the dev extras")
+    server = start_serve(sample_dataset, "--batch-size", BATCH)
+    expected = reference(server.endpoint, 1, WORLD, 2)
+
+    def new_loader():
+        dataset = ServerDataset(("sample_id",), endpoints=[server.endpoint], rank=1, world_size=WORLD, timeout=TIMEOUT)
+        timeout = {"timeout": TIMEOUT} if workers else {}
+        return stateful.StatefulDataLoader(dataset, batch_size=None, num_workers=workers, **timeout)
+
+    first_loader = new_loader()
+    it = iter(first_loader)
+    before = [tuple(next(it)[0].tolist()) for _ in range(11)]
+    state = first_loader.state_dict()
+    del it, first_loader  # (its workers stop)
+
+    resumed = new_loader()
+    resumed.load_state_dict(state)
+    after = ids(resumed)
+    # Every remaining row once: nothing handed out before comes again, nothing is missing.
+    assert len(before) + len(after) == 27
+    assert sorted(before + after) == sorted(expected[0])
+    assert before + after == interleaved(expected[0], workers)
+    # And the loader's next epoch is the server's next one.
+    assert sorted(ids(resumed)) == sorted(expected[1])
+
+
+def test_spawned_workers_read_their_share_and_advance_epochs(sample_dataset: Path, start_serve) -> None:
+    server = start_serve(sample_dataset, "--batch-size", BATCH)
+    expected = reference(server.endpoint, 2, WORLD, 2)
+    dl = loader(server.endpoint, 2, WORLD, 2, multiprocessing_context="spawn", persistent_workers=True)
+    assert ids(dl) == interleaved(expected[0], 2)
+    assert ids(dl) == interleaved(expected[1], 2)
+
+
+def test_a_state_from_another_number_of_workers_is_refused() -> None:
+    dataset = ServerDataset(("sample_id",), port=1, rank=0, world_size=1)
+    state = dataset.state_dict()
+    assert state["workers"] == 1 and state["epoch"] == 0 and state["batches"] == 0
+    with pytest.raises(ValueError, match="workers=4"):
+        dataset.load_state_dict({**state, "worker": 3, "workers": 4})
+    with pytest.raises(ValueError, match="rank=1"):
+        dataset.load_state_dict({**state, "rank": 1})
+
+
+def test_the_client_imports_torch_only_when_serverdataset_is_named() -> None:
+    code = ("import sys, fuelline.client as c; assert 'torch' not in sys.modules; "
+            "c.ServerDataset; assert 'torch' in sys.modules; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
