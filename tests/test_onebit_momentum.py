@@ -7,6 +7,9 @@ tests on torchrun against a real data server.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +17,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from fuelline.server.ingest.convert import convert
-from fuelline.server.ingest.synth import synthesize
-from fuelline.trainer.onebit import OneBitState
-from fuelline.trainer.onebit_momentum import register_momentum_hook
-from fuelline.trainer.onebit_sgd import OneBitSGD
 from test_onebit import _assert_replicas_identical, _message_bytes, _mlp, ranks  # noqa: F401
 from test_trainer import lines, torchrun
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from fuelline.server.ingest.convert import convert
+from fuelline.server.ingest.synth import synthesize
+from fuelline.trainer.cli import ONEBIT_SGD_MAX_WORLD, parse_args
+from fuelline.trainer.onebit import OneBitState
+from fuelline.trainer.onebit_momentum import register_momentum_hook
+from fuelline.trainer.onebit_sgd import OneBitSGD
 
 WARMUP, STEPS = 5, 25
 
@@ -126,3 +131,32 @@ def test_compression_onebit_exchanges_the_momentum_in_one_bit(dataset: Path, sta
     share = records[1]["grad_bytes_per_element"] / (2 * (2 - 1) / 2 * 4)
     assert 1 / 32 <= share <= 0.033, share
     assert all(math.isfinite(r["train_loss"]) for r in records)
+
+
+# -- what the trainer refuses ----------------------------------------------------------------------
+SGD_ONEBIT = ["--servers", "127.0.0.1:5557", "--compression", "onebit", "--optimizer", "sgd"]
+
+
+def test_one_bit_momentum_sgd_on_more_ranks_than_measured_is_refused_naming_what_to_use(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("WORLD_SIZE", str(ONEBIT_SGD_MAX_WORLD + 2))
+    with pytest.raises(SystemExit) as exc:
+        parse_args(SGD_ONEBIT)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "loses accuracy on more than 2 ranks (this job has 4)" in err
+    assert "use --compression onebit --optimizer adam" in err
+    # What it names is accepted on the same ranks, and so is the refused one when asked for.
+    assert parse_args([*SGD_ONEBIT[:-1], "adam"]).optimizer == "adam"
+    assert parse_args([*SGD_ONEBIT, "--accept-accuracy-loss"]).compression == "onebit"
+    monkeypatch.setenv("WORLD_SIZE", str(ONEBIT_SGD_MAX_WORLD))
+    assert parse_args(SGD_ONEBIT).optimizer == "sgd"
+
+
+def test_a_refused_rank_exits_with_one_line_before_connecting() -> None:
+    result = subprocess.run([sys.executable, "-m", "fuelline.trainer", *SGD_ONEBIT], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "WORLD_SIZE": "4"})
+    assert result.returncode == 2
+    lines_out = result.stderr.strip().splitlines()
+    assert "error: --compression onebit --optimizer sgd loses accuracy" in lines_out[-1]
+    assert "Traceback" not in result.stderr

@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from typing import Sequence
 
 from fuelline.protocol.common.endpoints import parse_host_port
 
-__all__ = ["build_parser", "parse_args"]
+__all__ = ["ONEBIT_SGD_MAX_WORLD", "build_parser", "parse_args", "refusal"]
+
+# The most ranks on which 1-bit momentum SGD was measured to keep the accuracy of uncompressed
+# momentum SGD (benchmarks/convergence.py: 15 epochs, 3 seeds; on 4 ranks it was ~5 points behind).
+ONEBIT_SGD_MAX_WORLD = 2
+
+
+def refusal(optimizer: str, compression: str, world_size: int) -> str | None:
+    """Why this combination is refused (it was measured to lose accuracy), and what to use; None
+    if it is not."""
+    if compression == "onebit" and optimizer == "sgd" and world_size > ONEBIT_SGD_MAX_WORLD:
+        return (f"--compression onebit --optimizer sgd loses accuracy on more than {ONEBIT_SGD_MAX_WORLD} ranks "
+                f"(this job has {world_size}): use --compression onebit --optimizer adam (1-bit Adam), or sgd with "
+                "--compression fp16 or none (--accept-accuracy-loss runs it anyway)")
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,9 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(start them with the same dataset and options)")
     p.add_argument("--epochs", type=int, default=10, help="epochs to train (a resumed run counts the ones done)")
     p.add_argument("--compression", choices=["none", "fp16", "onebit"], default="none",
-                   help="how gradients cross the ranks: fp32 all-reduce, fp16, or 1-bit signs with error feedback")
+                   help="what crosses the ranks: fp32 or fp16 gradients, or (onebit) the optimizer's momentum in "
+                        "1-bit signs with error feedback: 1-bit momentum SGD with sgd, 1-bit Adam with adam")
     p.add_argument("--optimizer", choices=["sgd", "adam", "onebit-adam"], default="adam",
-                   help="onebit-adam: Adam, then frozen variance and 1-bit compressed momentum")
+                   help="onebit-adam: the same as --compression onebit --optimizer adam")
+    p.add_argument("--accept-accuracy-loss", action="store_true",
+                   help="run a combination that is refused because it was measured to lose accuracy (to measure it)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     p.add_argument("--momentum", type=float, default=0.9, help="for sgd")
     p.add_argument("--l2", type=float, default=1e-4, help="λ of the λ‖θ‖₂ term")
@@ -36,8 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-source", default="label", help="the source holding each example's class index")
     p.add_argument("--classes", type=int, default=None, metavar="N",
                    help="number of classes, where the server names none (else counted from the train labels)")
-    p.add_argument("--warmup-iters", type=int, default=10, help="plain all-reduce steps before onebit compresses")
-    p.add_argument("--freeze-step", type=int, default=100, help="onebit-adam: plain Adam steps before the variance freezes")
+    p.add_argument("--warmup-iters", type=int, default=10,
+                   help="onebit with sgd: steps on fp32-averaged gradients before the momentum is compressed")
+    p.add_argument("--freeze-step", type=int, default=100,
+                   help="onebit with adam: plain Adam steps before the variance freezes and the momentum is compressed")
     p.add_argument("--checkpoint-dir", default=None, help="per-rank checkpoints (model, optimizer, data position)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: each epoch only)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
@@ -77,6 +97,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--resume needs --checkpoint-dir")
     if args.epochs < 1:
         p.error("--epochs must be >= 1")
+    if args.warmup_iters < 0 or args.freeze_step < 1:
+        p.error("--warmup-iters must be >= 0 and --freeze-step >= 1 (the variance needs a gradient)")
+    if args.optimizer == "onebit-adam" and args.compression == "fp16":
+        p.error("--optimizer onebit-adam compresses the momentum in 1 bit: use --compression onebit --optimizer adam, "
+                "or --compression fp16 --optimizer adam")
+    try:  # torchrun tells every rank the job's size before it starts
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world_size = 1
+    reason = refusal(args.optimizer, args.compression, world_size)
+    if reason and not args.accept_accuracy_loss:
+        p.error(reason)
     if args.classes is not None and args.classes < 2:
         p.error("--classes must be >= 2")
     if args.model is not None and not re.fullmatch(r"[\w.]+:\w+", args.model):
