@@ -1,6 +1,8 @@
 """``python -m benchmarks [BENCHMARK] [--quick]``: run one benchmark, or all, then write the summary.
 
-Benchmarks: transport, parquet, windows, pipeline, overlap, scaling, scaleout, trainer, compression.
+Benchmarks: transport, parquet, windows, pipeline, overlap, scaling, scaleout, trainer, compression;
+convergence only when named (``python -m benchmarks convergence``, or ``python -m benchmarks.convergence``
+with its own options).
 Each writes ``<name>.json``, ``<name>.md`` and ``<name>.png`` to the results directory, and every
 run ends with ``summary.md`` and ``summary.png`` there. ``--quick`` runs them at tiny sizes with
 2 rounds (a check that they work, not a measurement), into a temporary directory unless
@@ -19,6 +21,9 @@ from typing import Sequence
 from benchmarks.common import DEFAULT_DATA_DIR, RESULTS_DIR, progress
 
 BENCHMARKS = ("transport", "parquet", "windows", "pipeline", "overlap", "scaling", "scaleout", "trainer", "compression")
+# Run only when named: 15 epochs per configuration and seed take many minutes, and --quick
+# cannot show convergence.
+BY_NAME_ONLY = ("convergence",)
 QUICK = {"rounds": 2, "batches": 20, "gb": 0.005}
 
 
@@ -42,7 +47,8 @@ def _positive_float(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("benchmark", nargs="?", choices=BENCHMARKS, help="which one (default: all)")
+    parser.add_argument("benchmark", nargs="?", choices=BENCHMARKS + BY_NAME_ONLY,
+                        help="which one (default: all but convergence)")
     # Two rounds at least: a single run's figure says nothing about its own noise.
     parser.add_argument("--rounds", type=_at_least(2), default=5, help="timed rounds per contender (default 5)")
     parser.add_argument("--batches", type=_at_least(2), default=400,
@@ -115,6 +121,11 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         from benchmarks import trainer
 
         print(f"wrote {plots.trainer(trainer.run(rounds, data, results, quick=quick), results)}", flush=True)
+    elif name == "convergence":
+        from benchmarks import convergence
+
+        data.mkdir(parents=True, exist_ok=True)
+        convergence.run(data, results, quick=quick)
     else:
         from benchmarks import compression
 

@@ -1,6 +1,6 @@
 """Training with compressed gradients: bytes per element, step time and final accuracy for
-none / fp16 / onebit (and onebit-adam) at world size 2 on gloo, and fear recall with and without
-the class weights, all on the same synth data, epochs and seed.
+none / fp16 / onebit (1-bit momentum SGD, and 1-bit Adam) at world size 2 on gloo, and fear
+recall with and without the class weights, all on the same synth data, epochs and seed.
 
 Each configuration is one ``torchrun --nproc_per_node 2 -m fuelline.trainer`` against one data
 server; configurations take turns over the rounds, so the machine's noise falls on all of them.
@@ -32,9 +32,11 @@ FP32_RING = 2 * (WORLD - 1) / WORLD * 4  # bytes per element an fp32 ring all-re
 CONFIGS = {
     "none": ["--compression", "none", "--optimizer", "adam"],
     "fp16": ["--compression", "fp16", "--optimizer", "adam"],
+    # 1-bit momentum SGD: the optimizer compresses its per-rank momentum's update, not the gradients.
     "onebit": ["--compression", "onebit", "--optimizer", "sgd", "--lr", "0.02"],
     "none (sgd)": ["--compression", "none", "--optimizer", "sgd", "--lr", "0.02"],
-    "onebit-adam": ["--optimizer", "onebit-adam", "--freeze-step", "60"],
+    # 1-bit Adam (also --optimizer onebit-adam).
+    "onebit-adam": ["--compression", "onebit", "--optimizer", "adam", "--freeze-step", "60"],
     "none, no class weights": ["--compression", "none", "--optimizer", "adam", "--no-class-weights"],
 }
 
@@ -42,20 +44,22 @@ CONFIGS = {
 QUICK = {"recordings": 10, "seconds": 40.0, "epochs": 2, "rounds": 1, "configs": ("none", "fp16", "onebit")}
 
 
-def ensure_dataset(data_dir: Path, recordings: int = RECORDINGS, seconds: float = SECONDS) -> Path:
-    data = data_dir / f"trainer-v2-{recordings}rec-{int(seconds)}s-seed{SEED}"
+def ensure_dataset(data_dir: Path, recordings: int = RECORDINGS, seconds: float = SECONDS, seed: int = SEED) -> Path:
+    """The synth data set of ``recordings`` × ``seconds`` drawn with ``seed``, made once in ``data_dir``."""
+    data = data_dir / f"trainer-v2-{recordings}rec-{int(seconds)}s-seed{seed}"
     if not data.is_dir():
         raw = data_dir / f"{data.name}-raw"
         if not raw.is_dir():
-            synthesize(str(raw), recordings, seconds, SEED)
+            synthesize(str(raw), recordings, seconds, seed)
         convert(str(raw), str(data), progress=False)
     return data
 
 
-def train_once(endpoint: str, options: list[str], out: Path, epochs: int = EPOCHS) -> list[dict[str, Any]]:
+def train_once(endpoint: str, options: list[str], out: Path, epochs: int = EPOCHS, world: int = WORLD,
+               seed: int = SEED) -> list[dict[str, Any]]:
     metrics = out / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(WORLD),
-           "-m", "fuelline.trainer", "--servers", endpoint, "--epochs", str(epochs), "--seed", str(SEED),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+           "-m", "fuelline.trainer", "--servers", endpoint, "--epochs", str(epochs), "--seed", str(seed),
            "--metrics-json", str(metrics), *options]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
