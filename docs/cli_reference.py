@@ -11,6 +11,7 @@ failing build until the README says the same.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Iterator, Sequence
 
@@ -25,11 +26,21 @@ def _cell(text: str) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if action.default in (None, argparse.SUPPRESS) or isinstance(action, argparse._StoreTrueAction):
+    from fuelline.server.cli.main import shown_default  # (what `fuelline … --help` shows too)
+
+    shown = shown_default(action)
+    if shown is None:
         return ""
-    if isinstance(action, argparse.BooleanOptionalAction):
-        return "on" if action.default else "off"
-    return f"`{action.default}`"
+    return shown if isinstance(action, argparse.BooleanOptionalAction) else f"`{shown}`"
+
+
+def _meaning(action: argparse.Action) -> str:
+    """The help text, less a "(default X)" that only repeats the default column."""
+    text = action.help % {"default": action.default} if action.help else ""
+    shown = _default(action).strip("`")
+    if shown:
+        text = re.sub(rf"\s*\(default:? {re.escape(shown)}\)", "", text)
+    return text
 
 
 def _options(parser: argparse.ArgumentParser) -> Iterator[str]:
@@ -45,8 +56,7 @@ def _options(parser: argparse.ArgumentParser) -> Iterator[str]:
                 name += f" {action.metavar or action.dest.upper()}"
         else:
             name = action.metavar or action.dest.upper()
-        help_text = (action.help or "") % {"default": action.default} if action.help else ""
-        rows.append(f"| `{_cell(name)}` | {_default(action)} | {_cell(help_text)} |")
+        rows.append(f"| `{_cell(name)}` | {_default(action)} | {_cell(_meaning(action))} |")
     if rows:
         yield "| option | default | meaning |"
         yield "|---|---|---|"

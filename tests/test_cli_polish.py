@@ -1,5 +1,7 @@
-"""The command line's manners: ``--version``, Ctrl-C in ``fuelline stream``, and a status line
-that speaks English and does not repeat itself while nothing happens."""
+"""The command line's manners: ``--version``, defaults in every ``--help``, Ctrl-C in ``fuelline
+stream``, a status line that speaks English and does not repeat itself while nothing happens,
+servers of one reader that disagree named by the option that differs, data left out shown by
+``fuelline stream``, and a local client's move to the Unix socket kept out of the INFO log."""
 
 from __future__ import annotations
 
@@ -13,9 +15,14 @@ import threading
 import time
 from pathlib import Path
 
-from fuelline.client import ServerDataStream
+import argparse
 
-from conftest import wait_until
+import pytest
+
+from fuelline.client import ServerDataStream
+from fuelline.server.cli.main import build_parser
+
+from support.processes import wait_until
 
 CLI = [sys.executable, "-m", "fuelline.server.cli"]
 STATUS = re.compile(r" INFO (\d+ clients?; [\d.]+ batches/s)")  # the status line's first words
@@ -25,6 +32,42 @@ def test_version_prints_the_installed_version() -> None:
     out = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"fuelline {importlib.metadata.version('fuelline')}"
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    main = build_parser()
+    sub = next(a for a in main._actions if isinstance(a, argparse._SubParsersAction))
+    return {"fuelline": main, **{f"fuelline {name}": p for name, p in sub.choices.items()}}
+
+
+def _expected_default(action: argparse.Action) -> str | None:
+    """What --help should say an option defaults to; None for an option that has no default to show."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "on" if action.default else "off"
+    if action.help in (None, argparse.SUPPRESS) or not action.option_strings or action.nargs == 0:
+        return None
+    if action.default in (None, argparse.SUPPRESS, []):
+        return None
+    return str(action.default)
+
+
+@pytest.mark.parametrize("command", list(_parsers()))
+def test_every_help_shows_the_defaults(command: str, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "10000")  # one line per option: no wrapping to undo
+    parser = _parsers()[command]
+    text = parser.format_help()
+    shown = 0
+    for action in parser._actions:
+        if action.help in (None, argparse.SUPPRESS):
+            continue
+        line = next(x for x in text.splitlines() if action.help in x)
+        default = _expected_default(action)
+        if default is None or "default" in action.help:  # a help that says its default keeps its words
+            assert line.endswith(action.help), line
+        else:
+            assert line.endswith(f"{action.help} (default: {default})"), line
+            shown += 1
+    assert shown or command in ("fuelline keygen",), text  # (keygen's one option says its default itself)
 
 
 def test_ctrl_c_in_stream_ends_with_one_line_and_130(sample_dataset: Path, start_serve) -> None:
@@ -81,3 +124,20 @@ def test_idle_status_lines_are_not_repeated_and_plurals_agree(sample_dataset: Pa
     assert said[0] == idle and said[1] != idle, said  # one line for the first idle stretch
     assert len(said) == left_at, said[left_at - 1:]  # and none after the last line said all left
     assert not any(line.startswith("1 clients") for line in said), said
+
+
+def test_a_local_clients_move_to_the_unix_socket_is_not_logged_at_info(sample_dataset: Path, start_serve) -> None:
+    server = start_serve(sample_dataset, "--batch-size", "100")
+    with ServerDataStream(endpoints=[server.endpoint], timeout=10) as stream:
+        assert len(list(stream.get_epoch_iterator())) == 80
+        assert stream.transports[0].startswith("ipc://"), stream.transports
+    # The goodbye is logged at INFO after the move, so once it is there the move's line would be too.
+    log = server.wait_log("said bye")
+    assert " dropped: " in log and not [x for x in log.splitlines() if " INFO " in x and "said bye" not in x
+                                        and " dropped: " in x], log
+    # A second connection of one client that is no move (both over TCP) is still news.
+    with ServerDataStream(endpoints=[server.endpoint], timeout=10, client_id="twin", local=False) as first:
+        next(iter(first.get_epoch_iterator()))
+        with ServerDataStream(endpoints=[server.endpoint], timeout=10, client_id="twin", local=False) as second:
+            next(iter(second.get_epoch_iterator()))
+            server.wait_log(r" INFO client twin#\w+ dropped: replaced by a new connection of the same client")

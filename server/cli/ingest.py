@@ -59,10 +59,10 @@ def register_convert(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     parser.add_argument("raw", metavar="RAW", help="folder with recordings.tsv, clocks.tsv and one folder per recording")
     parser.add_argument("dataset", metavar="DATASET", help="folder to create; must not exist")
     parser.add_argument("--val-fraction", type=fraction, default=0.2,
-                        help="share of each emotion's recordings in the val split (default 0.2)")
+                        help="share of each emotion's recordings in the val split")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     parser.add_argument("--recordings-per-shard", type=positive_int, default=16,
-                        help="recordings per Parquet file (default 16)")
+                        help="recordings per Parquet file")
     parser.set_defaults(func=run_convert)
 
 

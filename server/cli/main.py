@@ -15,7 +15,32 @@ from fuelline.protocol.common.logs import LOG_FORMATS, configure_logging
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "DefaultsHelpFormatter", "shown_default"]
+
+
+def shown_default(action: argparse.Action) -> str | None:
+    """An option's default as ``--help`` and the README show it; None where it has none worth
+    showing (no value, a flag that is off unless given, an empty list)."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "on" if action.default else "off"
+    if isinstance(action, (argparse._StoreConstAction, argparse._HelpAction, argparse._VersionAction)):
+        return None  # (store_true and store_false are store_const)
+    if action.default in (None, argparse.SUPPRESS) or action.default == []:
+        return None
+    return str(action.default)
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Ends each option's help with its default, unless the help already says what it is (for a
+    default that is not a plain value: "default: all but an eighth of --max-clients")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = shown_default(action)
+        if shown is None or "default" in text or text == argparse.SUPPRESS:
+            return action.help
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
 
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
@@ -27,7 +52,8 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fuelline", description="Stream training batches from data servers.")
+    parser = argparse.ArgumentParser(prog="fuelline", description="Stream training batches from data servers.",
+                                     formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--version", action="version", version=f"fuelline {_version()}",
                         help="print the installed version and exit")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="least severe log records shown")
@@ -44,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     # The logging options also after the subcommand (``fuelline serve DATA --log-format json``),
     # where unit files and manifests put every option.
     for command in sub.choices.values():
+        command.formatter_class = DefaultsHelpFormatter
         command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help=argparse.SUPPRESS)
         command.add_argument("--log-format", default=argparse.SUPPRESS, choices=LOG_FORMATS, help=argparse.SUPPRESS)
     return parser

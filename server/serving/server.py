@@ -304,7 +304,11 @@ class Server(Listener):
         if old is not None:
             old.stop()
         for other in twins:
-            self._drop(other, "replaced by a new connection of the same client", level=logging.INFO)
+            # A client on this host moves to the Unix socket once welcomed over TCP: routine, not news.
+            if peer == LOCAL and other.peer != LOCAL:
+                self._drop(other, "moved to this host's Unix socket", level=logging.DEBUG)
+            else:
+                self._drop(other, "replaced by a new connection of the same client", level=logging.INFO)
         name = f"{hello.client_id[:12]}#{uuid.uuid4().hex[:6]}"
         session = Session(rid, hello, src, tuple(wanted), self.hwm, self.checksum, self._wake, name, self.recent,
                           peer=peer, max_heartbeat=self.max_client_heartbeat)
