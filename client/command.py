@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
+from collections import Counter
+from typing import Any, Mapping
 
+from fuelline.client.agreement import SKIPPED
 from fuelline.protocol.common.argtypes import positive_int, seconds
 
-__all__ = ["register", "run"]
+__all__ = ["register", "run", "left_out"]
+
+# How a server words a unit it could not read mid-epoch (fuelline.server.sources.blocks).
+ROWS_LEFT_OUT = re.compile(r"its (\d+) rows are left out")
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -31,6 +38,34 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     stream.set_defaults(func=run)
 
 
+def left_out(info: Mapping[str, Any], losses: list[str]) -> dict[str, Any]:
+    """What the servers left out of an epoch (``--on-bad-shard skip``): the shards or recordings
+    left out at start-up, as the Welcome ``info`` counts and names them, and ``losses``, the
+    parts they could not read during the epoch, with the rows those held (all of each part's rows,
+    whichever ranks' shares they fell in)."""
+    out: dict[str, Any] = {}
+    for key in SKIPPED:
+        if f"{key}_count" in info:
+            out[key] = info[f"{key}_count"]
+            out["names"] = [x.get("file", x.get("recording")) for x in info.get(key) or ()]
+    out["rows"] = sum(int(m.group(1)) for loss in losses for m in ROWS_LEFT_OUT.finditer(loss))
+    out["losses"] = losses
+    return out
+
+
+def _said(report: Mapping[str, Any]) -> str:
+    parts = []
+    for key, noun in zip(SKIPPED, ("shard", "recording")):
+        count = report.get(key, 0)
+        if count:
+            names = ", ".join(str(n) for n in report["names"]) + (", …" if count > len(report["names"]) else "")
+            parts.append(f"{count} {noun}{'s' * (count != 1)} at start-up ({names})")
+    if report["losses"]:
+        n = len(report["losses"])
+        parts.append(f"{report['rows']} rows this epoch ({n} part{'s' * (n != 1)} that could not be read)")
+    return "  left out by the servers: " + "; ".join(parts) + " (--on-bad-shard skip)" if parts else ""
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -40,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
         endpoints=args.endpoint, split=args.split, rank=args.rank, world_size=args.world_size,
         hwm=args.hwm, timeout=args.timeout, connect_timeout=args.connect_timeout, curve_keys=args.curve_keys,
     ) as stream:
+        info = stream.info  # (every server's Welcome: what they left out at start-up is known before reading)
+        seen = Counter(stream.data_losses)
         for epoch in range(args.epochs):
             batches = rows = nbytes = 0
             ids: list = []
@@ -52,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
                 if "sample_id" in batch:
                     ids.append(batch["sample_id"])
             seconds = time.perf_counter() - start
+            now = Counter(stream.data_losses)
+            # A part is told of again when its batches are (a reconnect, the move to a local
+            # socket): within an epoch, the same words are the same part.
+            losses, seen = list(dict.fromkeys((now - seen).elements())), now
             report = {
                 "epoch": epoch,
                 "batches": batches,
@@ -61,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 "rows_per_s": round(rows / seconds, 1) if seconds else None,
                 "mb_per_s": round(nbytes / seconds / 1e6, 1) if seconds else None,
                 "sources": {k: v for k, v in stream.schema.items()},
+                "left_out": left_out(info, losses),
             }
             if ids:
                 all_ids = np.concatenate(ids)
@@ -74,4 +116,7 @@ def run(args: argparse.Namespace) -> int:
                     + (f", {report['unique_sample_ids']} distinct sample_ids" if ids else ""),
                     flush=True,
                 )
+                said = _said(report["left_out"])
+                if said:
+                    print(said, flush=True)
     return 0

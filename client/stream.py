@@ -9,13 +9,14 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import zmq
 
+from fuelline.client.agreement import check_agreement, left_out_at_start
 from fuelline.client.checkpoint import STATE_FORMAT as STATE_FORMAT  # (re-exported: it was defined here)
 from fuelline.client.checkpoint import position_state, resume_from, stream_from_state
 from fuelline.client.connection import Connection, Item
 from fuelline.client.curve import CurveKeys
 from fuelline.client.signature import stream_arguments
 from fuelline.protocol.common.endpoints import tcp_endpoint
-from fuelline.protocol import DEFAULT_LIMITS, DataError, FingerprintMismatch, Hello, Limits, ProtocolError, ReceiveTimeout
+from fuelline.protocol import DEFAULT_LIMITS, Hello, Limits, ProtocolError, ReceiveTimeout
 
 __all__ = ["ServerDataStream"]
 
@@ -195,8 +196,11 @@ class ServerDataStream:
 
     @property
     def data_losses(self) -> list[str]:
-        """What the servers could not read and left out (``--on-bad-shard skip``), in their words."""
-        return [loss for conn in self._conns for loss in conn.data_losses]
+        """What the servers could not read and left out (``--on-bad-shard skip``), in their words:
+        the shards or recordings left out at start-up, as their Welcomes list them (once, where
+        several servers of the dataset list the same), then what each left out since."""
+        at_start = [x for conn in self._conns if conn.welcome is not None for x in left_out_at_start(conn.welcome.info)]
+        return list(dict.fromkeys(at_start)) + [loss for conn in self._conns for loss in conn.data_losses]
 
     @property
     def transports(self) -> list[str]:
@@ -321,28 +325,9 @@ class ServerDataStream:
         conns = self._connections()
         welcomes = [conn.wait_welcome(self.timeout) for conn in conns]
         if not self._checked:
-            self._check_agreement(welcomes)
+            check_agreement(self.endpoints, welcomes)
             self._checked = True
         return welcomes[0]
-
-    def _check_agreement(self, welcomes: list[Any]) -> None:
-        """Servers read together must serve the same sequence, or the shares they serve would not
-        fit together: the same sequence fingerprint, and the same sources and schema for this
-        reader's request. Where the dataset lies, cache counters and other local facts in
-        ``info`` may differ: the same files on two mounts serve the same sequence."""
-        first = welcomes[0]
-        for endpoint, w in zip(self.endpoints[1:], welcomes[1:]):
-            context = f"servers {self.endpoints[0]} and {endpoint} serve different sequences: "
-            if w.fingerprint != first.fingerprint:
-                if first.fingerprint is None:
-                    raise FingerprintMismatch(w.fingerprint, None, f"at {endpoint}", f"at {self.endpoints[0]}", context)
-                raise FingerprintMismatch(first.fingerprint, w.fingerprint, f"at {self.endpoints[0]}",
-                                          f"at {endpoint}", context)
-            for key in ("sources", "schema", "batches_per_epoch"):
-                if getattr(w, key) != getattr(first, key):
-                    raise DataError(f"{context}{key} is {getattr(first, key)!r:.200} at {self.endpoints[0]} and "
-                                    f"{getattr(w, key)!r:.200} at {endpoint}; start every server of a reader with "
-                                    "the same dataset and options")
 
     def _next(self, conn: Connection) -> Item:
         started = time.monotonic()

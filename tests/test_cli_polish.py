@@ -16,10 +16,14 @@ import time
 from pathlib import Path
 
 import argparse
+import json
+import shutil
 
+import pyarrow.parquet as pq
 import pytest
 
 from fuelline.client import ServerDataStream
+from fuelline.protocol import FingerprintMismatch
 from fuelline.server.cli.main import build_parser
 
 from support.processes import wait_until
@@ -141,3 +145,71 @@ def test_a_local_clients_move_to_the_unix_socket_is_not_logged_at_info(sample_da
         with ServerDataStream(endpoints=[server.endpoint], timeout=10, client_id="twin", local=False) as second:
             next(iter(second.get_epoch_iterator()))
             server.wait_log(r" INFO client twin#\w+ dropped: replaced by a new connection of the same client")
+
+
+@pytest.mark.parametrize("b_options,named", [
+    (("--batch-size", "128"), "--batch-size 64 at {a} and --batch-size 128 at {b}"),
+    (("--batch-size", "64", "--no-shuffle"), "--shuffle at {a} and --no-shuffle at {b}"),
+])
+def test_servers_of_one_reader_that_disagree_are_named_by_the_option(
+    sample_dataset: Path, start_serve, b_options: tuple[str, ...], named: str,
+) -> None:
+    a = start_serve(sample_dataset, "--batch-size", "64").endpoint
+    b = start_serve(sample_dataset, *b_options).endpoint
+    with ServerDataStream(endpoints=[a, b], timeout=10) as stream:
+        with pytest.raises(FingerprintMismatch) as info:
+            next(iter(stream.get_epoch_iterator()))
+    message = str(info.value)
+    assert named.format(a=f"tcp://{a}", b=f"tcp://{b}") in message, message
+    assert "--seed" not in message, message  # the same seed, though only one server uses it
+    assert message.endswith("serve the same files with the same options"), message  # the rest is kept
+
+
+def _with_bad_shards(sample_dataset: Path, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A copy of the sample dataset with one truncated shard (left out at start-up) and one whose
+    row group 1 cannot be decoded (its footer reads: left out as each epoch reaches it)."""
+    data = tmp_path / "data"
+    shutil.copytree(sample_dataset, data)
+    truncated, damaged = data / "train" / "part-00003.parquet", data / "train" / "part-00002.parquet"
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    page = pq.read_metadata(damaged).row_group(1).column(0).data_page_offset  # sample_id: every reader reads it
+    raw = bytearray(damaged.read_bytes())
+    raw[page:page + 64] = b"\xff" * 64  # a page header no reader can parse
+    damaged.write_bytes(bytes(raw))
+    return data, truncated, damaged
+
+
+def test_data_losses_include_the_shards_left_out_at_start_up(sample_dataset: Path, tmp_path: Path,
+                                                             start_serve) -> None:
+    data, truncated, damaged = _with_bad_shards(sample_dataset, tmp_path)
+    server = start_serve(data, "--on-bad-shard", "skip")
+    # (Over TCP alone: a move to the local socket can tell of a part twice, as its batches come again.)
+    with ServerDataStream(("sample_id",), endpoints=[server.endpoint], timeout=10, local=False) as stream:
+        ids = {int(x) for batch in stream.get_epoch_iterator() for x in batch[0]}
+        losses = stream.data_losses
+    assert len(ids) == 8000 - 2000 - 500, len(ids)  # a truncated shard and a row group less
+    assert isinstance(losses, list) and len(losses) == 2, losses
+    assert str(truncated) in losses[0] and "at start-up" in losses[0] and "not a readable Parquet file" in losses[0]
+    assert str(damaged) in losses[1] and "its 500 rows are left out" in losses[1]
+
+
+def test_stream_reports_what_the_servers_left_out_each_epoch(sample_dataset: Path, tmp_path: Path,
+                                                             start_serve) -> None:
+    data, truncated, damaged = _with_bad_shards(sample_dataset, tmp_path)
+    server = start_serve(data, "--on-bad-shard", "skip", "--batch-size", "100")
+    out = subprocess.run([*CLI, "stream", server.endpoint, "--epochs", "2", "--json"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    reports = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(reports) == 2
+    for report in reports:
+        left_out = report["left_out"]
+        assert left_out["skipped_shards"] == 1 and left_out["names"] == [str(truncated)], left_out
+        assert left_out["rows"] == 500 and len(left_out["losses"]) == 1, left_out
+        assert str(damaged) in left_out["losses"][0], left_out
+    text = subprocess.run([*CLI, "stream", server.endpoint, "--epochs", "2"], capture_output=True, text=True,
+                          timeout=60)
+    assert text.returncode == 0, text.stderr
+    said = [line for line in text.stdout.splitlines() if "left out" in line]
+    assert len(said) == 2 and all(f"1 shard at start-up ({truncated})" in x and "500 rows" in x for x in said), \
+        text.stdout
