@@ -112,12 +112,14 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("options", [
-    ("--optimizer", "adam", "--freeze-step", "3"),
-    ("--optimizer", "sgd", "--lr", "0.01", "--warmup-iters", "3"),
-], ids=["adam", "sgd"])
+@pytest.mark.parametrize(("options", "compressed"), [
+    (("--optimizer", "adam", "--freeze-step", "3"), "momentum"),
+    (("--optimizer", "sgd", "--lr", "0.01", "--warmup-iters", "3"), "momentum"),
+    # Without momentum there is none to exchange: the gradient hook compresses the gradients.
+    (("--optimizer", "sgd", "--momentum", "0", "--lr", "0.01", "--warmup-iters", "3"), "gradients"),
+], ids=["adam", "sgd", "sgd-without-momentum"])
 def test_compression_onebit_exchanges_the_momentum_in_one_bit(dataset: Path, start_serve, tmp_path: Path,
-                                                             options: tuple[str, ...]) -> None:
+                                                             options: tuple[str, ...], compressed: str) -> None:
     server = start_serve(dataset, "--batch-size", "16")
     metrics = tmp_path / "metrics.jsonl"
     torchrun(server.endpoint, "--epochs", "2", "--compression", "onebit", "--metrics-json", str(metrics), *options,
@@ -126,8 +128,8 @@ def test_compression_onebit_exchanges_the_momentum_in_one_bit(dataset: Path, sta
     assert [r["epoch"] for r in records] == [0, 1]
     # Past the warm-up (the variance frozen, for Adam) the optimizer's momentum crosses the wire,
     # not the gradients.
-    assert {r["compression"] for r in records} == {"onebit-momentum"}
-    assert records[1]["compressed"] == "momentum"
+    assert {r["compression"] for r in records} == {"onebit-momentum" if compressed == "momentum" else "onebit"}
+    assert records[1]["compressed"] == compressed
     share = records[1]["grad_bytes_per_element"] / (2 * (2 - 1) / 2 * 4)
     assert 1 / 32 <= share <= 0.033, share
     assert all(math.isfinite(r["train_loss"]) for r in records)
@@ -149,6 +151,7 @@ def test_one_bit_momentum_sgd_on_more_ranks_than_measured_is_refused_naming_what
     # What it names is accepted on the same ranks, and so is the refused one when asked for.
     assert parse_args([*SGD_ONEBIT[:-1], "adam"]).optimizer == "adam"
     assert parse_args([*SGD_ONEBIT, "--accept-accuracy-loss"]).compression == "onebit"
+    assert parse_args([*SGD_ONEBIT, "--momentum", "0"]).momentum == 0  # compresses its gradients: not refused
     monkeypatch.setenv("WORLD_SIZE", str(ONEBIT_SGD_MAX_WORLD))
     assert parse_args(SGD_ONEBIT).optimizer == "sgd"
 

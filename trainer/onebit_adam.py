@@ -37,6 +37,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+
 from fuelline.trainer.onebit import OneBitState
 from fuelline.trainer.onebit_momentum import (
     CompressedMomentum,

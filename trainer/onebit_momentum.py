@@ -32,18 +32,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fuelline.trainer.onebit import OneBitState, fp32_allreduce, onebit_allreduce
 from torch.nn.parallel import DistributedDataParallel
+
+from fuelline.trainer.onebit import OneBitState, fp32_allreduce, onebit_allreduce
 
 __all__ = ["CompressedMomentum", "exchanges_momentum", "momentum_hook", "onebit_optimizer", "register_momentum_hook"]
 
 logger = logging.getLogger(__name__)
 
 
-def exchanges_momentum(optimizer: str, compression: str) -> bool:
-    """Whether the trainer's ``--optimizer`` and ``--compression`` make an optimizer exchange
-    its momentum in 1 bit (rather than a hook the gradients)."""
-    return optimizer == "onebit-adam" or (compression == "onebit" and optimizer in ("adam", "sgd"))
+def exchanges_momentum(optimizer: str, compression: str, momentum: float = 0.9) -> bool:
+    """Whether the trainer's ``--optimizer``, ``--compression`` and ``--momentum`` make an
+    optimizer exchange its momentum in 1 bit. SGD without momentum has none to exchange: its
+    gradients go through :func:`~fuelline.trainer.onebit.onebit_hook`, where error feedback's
+    delays cost nothing that a momentum would repeat (measured: it keeps the accuracy of plain
+    SGD, where the decaying error feedback of :class:`~fuelline.trainer.onebit_sgd.OneBitSGD`
+    did not)."""
+    if optimizer == "onebit-adam":
+        return True
+    return compression == "onebit" and (optimizer == "adam" or (optimizer == "sgd" and momentum > 0))
 
 
 def onebit_optimizer(args: Any, params: Iterable[torch.Tensor], state: OneBitState) -> "CompressedMomentum":

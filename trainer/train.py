@@ -65,7 +65,7 @@ def make_optimizer(args, ddp: DDP, comm_state: Any) -> torch.optim.Optimizer:
     params = ddp.parameters()
     from fuelline.trainer.onebit_momentum import exchanges_momentum, onebit_optimizer
 
-    if exchanges_momentum(args.optimizer, args.compression):  # the optimizer compresses its momentum
+    if exchanges_momentum(args.optimizer, args.compression, args.momentum):  # the optimizer compresses its momentum
         return onebit_optimizer(args, params, comm_state)
     if args.optimizer == "sgd":
         return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
@@ -114,7 +114,7 @@ class Trainer:
     def _register_hook(self) -> Any:
         from fuelline.trainer.onebit_momentum import exchanges_momentum, register_momentum_hook
 
-        if exchanges_momentum(self.args.optimizer, self.args.compression):
+        if exchanges_momentum(self.args.optimizer, self.args.compression, self.args.momentum):
             return register_momentum_hook(self.ddp)
         return comm.register(self.ddp, self.args.compression, self.args.warmup_iters)
 
