@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
             # A part is told of again when its batches are (a reconnect, the move to a local
             # socket): within an epoch, the same words are the same part.
             losses, seen = list(dict.fromkeys((now - seen).elements())), now
-            report = {
+            left = left_out(info, losses)
+            report: dict[str, Any] = {
                 "epoch": epoch,
                 "batches": batches,
                 "rows": rows,
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
                 "rows_per_s": round(rows / seconds, 1) if seconds else None,
                 "mb_per_s": round(nbytes / seconds / 1e6, 1) if seconds else None,
                 "sources": {k: v for k, v in stream.schema.items()},
-                "left_out": left_out(info, losses),
+                "left_out": left,
             }
             if ids:
                 all_ids = np.concatenate(ids)
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                     + (f", {report['unique_sample_ids']} distinct sample_ids" if ids else ""),
                     flush=True,
                 )
-                said = _said(report["left_out"])
+                said = _said(left)
                 if said:
                     print(said, flush=True)
     return 0

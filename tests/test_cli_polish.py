@@ -5,19 +5,18 @@ servers of one reader that disagree named by the option that differs, data left 
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
+import json
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-
-import argparse
-import json
-import shutil
 
 import pyarrow.parquet as pq
 import pytest
