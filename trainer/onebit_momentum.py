@@ -36,34 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fuelline.trainer.onebit import OneBitState, fp32_allreduce, onebit_allreduce
 
-__all__ = ["CompressedMomentum", "exchanges_momentum", "momentum_hook", "onebit_optimizer", "register_momentum_hook"]
+__all__ = ["CompressedMomentum", "momentum_hook", "register_momentum_hook"]
 
 logger = logging.getLogger(__name__)
-
-
-def exchanges_momentum(optimizer: str, compression: str, momentum: float = 0.9) -> bool:
-    """Whether the trainer's ``--optimizer``, ``--compression`` and ``--momentum`` make an
-    optimizer exchange its momentum in 1 bit. SGD without momentum has none to exchange: its
-    gradients go through :func:`~fuelline.trainer.onebit.onebit_hook`, where error feedback's
-    delays cost nothing that a momentum would repeat (measured: it keeps the accuracy of plain
-    SGD, where the decaying error feedback of :class:`~fuelline.trainer.onebit_sgd.OneBitSGD`
-    did not)."""
-    if optimizer == "onebit-adam":
-        return True
-    return compression == "onebit" and (optimizer == "adam" or (optimizer == "sgd" and momentum > 0))
-
-
-def onebit_optimizer(args: Any, params: Iterable[torch.Tensor], state: OneBitState) -> "CompressedMomentum":
-    """The trainer's 1-bit optimizer for its options (``args``: the parsed command line):
-    :class:`~fuelline.trainer.onebit_sgd.OneBitSGD` after ``--warmup-iters`` plain steps for sgd,
-    :class:`~fuelline.trainer.onebit_adam.OneBitAdam` frozen at ``--freeze-step`` for adam."""
-    if args.optimizer == "sgd":
-        from fuelline.trainer.onebit_sgd import OneBitSGD
-
-        return OneBitSGD(params, lr=args.lr, momentum=args.momentum, warmup_steps=args.warmup_iters, state=state)
-    from fuelline.trainer.onebit_adam import OneBitAdam
-
-    return OneBitAdam(params, lr=args.lr, freeze_step=args.freeze_step, state=state)
 
 
 def momentum_hook(state: OneBitState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

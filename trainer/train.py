@@ -26,9 +26,10 @@ from fuelline.trainer.lifecycle import shutdown
 from fuelline.trainer.losses import class_weights, l2_norm, make_weighting, modality_losses
 from fuelline.trainer.metrics import classification_report, epoch_summary, wire_compression
 from fuelline.trainer.model_spec import EVAL_HEAD, as_heads, build_model, scan_classes
+from fuelline.trainer.onebit_momentum import register_momentum_hook
+from fuelline.trainer.optimizers import exchanges_momentum, make_optimizer
 from fuelline.trainer.progress import EpochProgress, use_bar
-from fuelline.trainer.timing import GpuSampler, StepTimes, gpu_report, wait_share
-from fuelline.trainer.timing import report as timing_report
+from fuelline.trainer.timing import GpuSampler, StepTimes, gpu_report, report as timing_report, wait_share
 
 __all__ = ["main"]
 
@@ -59,17 +60,6 @@ def _truncate_jsonl(path: str, keep) -> None:
     with open(f"{path}.tmp", "w") as f:
         f.writelines(lines)
     os.replace(f"{path}.tmp", path)
-
-
-def make_optimizer(args, ddp: DDP, comm_state: Any) -> torch.optim.Optimizer:
-    params = ddp.parameters()
-    from fuelline.trainer.onebit_momentum import exchanges_momentum, onebit_optimizer
-
-    if exchanges_momentum(args.optimizer, args.compression, args.momentum):  # the optimizer compresses its momentum
-        return onebit_optimizer(args, params, comm_state)
-    if args.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=args.lr, momentum=args.momentum)
-    return torch.optim.Adam(params, lr=args.lr)
 
 
 class Trainer:
@@ -112,8 +102,6 @@ class Trainer:
                      None if self.weights is None else [round(w, 2) for w in self.weights.tolist()])
 
     def _register_hook(self) -> Any:
-        from fuelline.trainer.onebit_momentum import exchanges_momentum, register_momentum_hook
-
         if exchanges_momentum(self.args.optimizer, self.args.compression, self.args.momentum):
             return register_momentum_hook(self.ddp)
         return comm.register(self.ddp, self.args.compression, self.args.warmup_iters)
