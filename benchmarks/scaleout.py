@@ -32,7 +32,16 @@ from typing import Any, Callable
 
 from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, progress, time_batches
 from benchmarks.report import Metric, RatioSpec, build_report, environment, server_cpu_ms_per_window, write_results
-from benchmarks.windows import BATCH_SIZE, HWM, QUICK_RECORDINGS, QUICK_SECONDS, RECORDINGS, SECONDS, TIMEOUT_S, ensure_raw
+from benchmarks.windows import (
+    BATCH_SIZE,
+    HWM,
+    QUICK_RECORDINGS,
+    QUICK_SECONDS,
+    RECORDINGS,
+    SECONDS,
+    TIMEOUT_S,
+    ensure_raw,
+)
 from fuelline.client import ServerDataStream
 from fuelline.server.ingest.convert import convert
 from fuelline.server.multimodal.source import WindowSource

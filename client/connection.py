@@ -351,7 +351,7 @@ class Connection(Receiving):
             self._retry_at = None
             self.transport = self.endpoint  # the server may have restarted elsewhere: ask TCP again
             self._open()
-        if self._sock is not None and (self._sock.poll(wait * 1000) if wait > 0 else True):
+        if self._sock is not None and (self._sock.poll(int(wait * 1000)) if wait > 0 else True):
             self._drain_socket(limit)
         if self._sock is not None and not self._connected:  # handshakes happen before a Welcome
             refused = self._watch.check()
@@ -363,8 +363,8 @@ class Connection(Receiving):
         silent = now - self._last_heard
         # Refused connections fail after connect_timeout, but only before the first Welcome: a
         # server welcomed once may be restarting, and gets the whole timeout.
-        limit = self._timeout if self.welcome is not None else self._connect_timeout
-        if self._watch.refused_for(now, self._started, limit) > limit and self.welcome is None:
+        refusal_limit = self._timeout if self.welcome is not None else self._connect_timeout
+        if self._watch.refused_for(now, self._started, refusal_limit) > refusal_limit and self.welcome is None:
             self._fail(ServerUnavailable(self.endpoint, now - self._started, self._detail("")))
             return
         if silent > self._timeout:
@@ -373,14 +373,14 @@ class Connection(Receiving):
             return
         if self._sock is None:
             return
-        limit = 3 * (self._server_heartbeat if self._connected else self._heartbeat)
+        silence_limit = 3 * (self._server_heartbeat if self._connected else self._heartbeat)
         # No Welcome for as long counts as silence, whatever else the server says: a Hello lost
         # with a server killed after it was sent is never answered by the next one, which only
         # replies no-session to heartbeats.
-        unwelcome = self._awaiting_welcome and now - self._hello_sent > limit
-        if self._bye_pending or unwelcome or now - max(self._last_heard, self._hello_sent) > limit:
+        unwelcome = self._awaiting_welcome and now - self._hello_sent > silence_limit
+        if self._bye_pending or unwelcome or now - max(self._last_heard, self._hello_sent) > silence_limit:
             # Silence (or a Bye): drop this socket and try again with backoff.
-            if unwelcome and now - self._last_heard <= limit:
+            if unwelcome and now - self._last_heard <= silence_limit:
                 log.warning("server %s sent no Welcome in %.1fs; reconnecting", self.endpoint, now - self._hello_sent)
             elif not self._bye_pending:
                 # (Refused connections were told once, as such: retrying them is no news.)

@@ -16,7 +16,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -78,6 +78,12 @@ class Receiving:
     _connected: bool
     _awaiting_welcome: bool
     _server_heartbeat: float
+
+    if TYPE_CHECKING:  # supplied by Connection, which the receiving half calls back into
+        def _fail(self, error: BaseException) -> None: ...
+        def _say_hello(self) -> None: ...
+        def _close_socket(self) -> None: ...
+        def _open(self) -> None: ...
     _bye_reason: str
     _bye_pending: bool
     _backoff: float

@@ -10,13 +10,23 @@ from typing import Any, Iterator, Mapping, Sequence
 import zmq
 
 from fuelline.client.agreement import check_agreement, left_out_at_start
-from fuelline.client.checkpoint import STATE_FORMAT as STATE_FORMAT  # (re-exported: it was defined here)
-from fuelline.client.checkpoint import position_state, resume_from, stream_from_state
+from fuelline.client.checkpoint import (
+    STATE_FORMAT as STATE_FORMAT,  # (re-exported: it was defined here)
+    position_state,
+    resume_from,
+    stream_from_state,
+)
 from fuelline.client.connection import Connection, Item
 from fuelline.client.curve import CurveKeys
 from fuelline.client.signature import stream_arguments
+from fuelline.protocol import (
+    DEFAULT_LIMITS,
+    Hello,
+    Limits,
+    ProtocolError,
+    ReceiveTimeout,
+)
 from fuelline.protocol.common.endpoints import tcp_endpoint
-from fuelline.protocol import DEFAULT_LIMITS, Hello, Limits, ProtocolError, ReceiveTimeout
 
 __all__ = ["ServerDataStream"]
 
@@ -385,5 +395,6 @@ class ServerDataStream:
             self._pos = (item.epoch, self._cursor, self._history)
             self._active = token
             conn.credit(item.stream)
+            assert item.arrays is not None  # (a batch always has them; an end has none)
             yield self._convert(item.arrays, as_dict)
 

@@ -53,10 +53,10 @@ def plain(value: Any, where: str = "state") -> Any:
             return value
         return dict(items)
     if isinstance(value, (list, tuple)):
-        items = [plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
-        if all(new is old for new, old in zip(items, value)):
+        elements = [plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        if all(new is old for new, old in zip(elements, value)):
             return value
-        return type(value)(items) if type(value) in (list, tuple) else items
+        return type(value)(elements) if type(value) in (list, tuple) else elements
     raise TypeError(f"{where} is a {type(value).__name__}, which a checkpoint cannot hold "
                     "(tensors, dicts, lists, numbers and strings only)")
 

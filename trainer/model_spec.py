@@ -120,6 +120,7 @@ def build_model(args: Any, sources: tuple[str, ...], schema: Mapping[str, Any], 
     """The model ``args.model`` names (the built-in one without it) on ``device``, the spec it was
     built from, its head names and the train examples per class (None if the server gives none).
     ``scan`` counts the classes from the train labels, for when neither the server nor ``--classes`` does."""
+    factory: Callable[[ModelSpec], nn.Module]
     if args.model is None:
         require_builtin(tuple(sources), info)  # before any pass over the data
         factory, name = builtin_model, "built-in"

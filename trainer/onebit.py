@@ -175,7 +175,10 @@ class OneBitState(NamedErrors):
 
     @property
     def group(self) -> dist.ProcessGroup:
-        return self.process_group if self.process_group is not None else dist.group.WORLD
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        if group is None:  # (WORLD is None only before init_process_group)
+            raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
+        return group
 
     @property
     def world_size(self) -> int:

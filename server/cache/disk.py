@@ -187,7 +187,7 @@ class DiskCache:
 
     def _get(self, rel: str, remote: RemoteStat, want_map: bool) -> Any:
         where = self.store.where(rel)
-        for attempt in range(OPEN_TRIES):
+        for _attempt in range(OPEN_TRIES):
             with _flock(self.lock_path(rel), where):
                 if not self._good(rel, remote):
                     self.store.count("cache_disk_misses")

@@ -83,7 +83,7 @@ def _print(report: dict[str, Any]) -> None:
             print(f"  {split}: {s['rows']} rows in {s['files']} files, {s['row_groups']} row groups")
         for name, spec in report["sources"].items():
             print(f"  source {name}: {spec['dtype']} {tuple(spec['shape'])}")
-        for name, why in report["not_served"].items():
+        for why in report["not_served"].values():
             print(f"  not served: {why}")
 
 

@@ -25,8 +25,16 @@ from tqdm import tqdm
 
 from fuelline.protocol import DataError
 from fuelline.protocol.common.atomic import atomic_directory
-from fuelline.server.multimodal.manifest import EMOTIONS, MANIFEST_NAME, MODALITIES, Manifest, Modality, Placement, Recording
 from fuelline.server.ingest.rawformat import RawDataset, RawRecording, RawSignal, check_same_channels
+from fuelline.server.multimodal.manifest import (
+    EMOTIONS,
+    MANIFEST_NAME,
+    MODALITIES,
+    Manifest,
+    Modality,
+    Placement,
+    Recording,
+)
 
 __all__ = ["convert", "assign_splits"]
 

@@ -22,13 +22,20 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError, OptionError
-from fuelline.server.sources.blocks import UnitSource
-from fuelline.server.sources.options import SourceOptions
-from fuelline.server.sources.fingerprint import callable_name, digest, files_part, skipped_summary, text_part, unit_parts
-from fuelline.server.sources.storage import Store, storage_info
-from fuelline.server.multimodal.manifest import MODALITIES, Manifest, Recording
 from fuelline.server.multimodal.align import Signal, Validity, WindowSpec, resample, validity
+from fuelline.server.multimodal.manifest import MODALITIES, Manifest, Recording
 from fuelline.server.multimodal.stages import Cast, Normalize, Pipeline, Stage
+from fuelline.server.sources.blocks import UnitSource
+from fuelline.server.sources.fingerprint import (
+    callable_name,
+    digest,
+    files_part,
+    skipped_summary,
+    text_part,
+    unit_parts,
+)
+from fuelline.server.sources.options import SourceOptions
+from fuelline.server.sources.storage import Store, storage_info
 
 __all__ = ["WindowSource", "SAMPLE_ID_STRIDE"]
 

@@ -27,8 +27,8 @@ from typing import Union
 import zmq
 import zmq.auth
 
-from fuelline.protocol.common.keyfiles import check_key, load_key_file, require_curve
 from fuelline.protocol import DataError
+from fuelline.protocol.common.keyfiles import check_key, load_key_file, require_curve
 
 __all__ = ["CurveConfig", "keygen", "is_loopback"]
 

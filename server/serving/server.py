@@ -39,14 +39,14 @@ from fuelline.protocol import (
     Welcome,
     encode,
 )
+from fuelline.server.cache.memory import RecentBatches
 from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS, LOCAL, Admission, default_max_heartbeat, peer_of
 from fuelline.server.serving.inbound import decode_request
 from fuelline.server.serving.keys import CurveConfig
 from fuelline.server.serving.listener import Listener
-from fuelline.server.cache.memory import RecentBatches
 from fuelline.server.serving.session import Session
-from fuelline.server.sources.contract import BatchSource
 from fuelline.server.serving.status import StatusLine, counters
+from fuelline.server.sources.contract import BatchSource
 
 __all__ = ["Server"]
 
@@ -148,7 +148,7 @@ class Server(Listener):
         try:
             while self._stop_reason is None:
                 timeout = max(0.0, next_tick - time.monotonic())
-                events = dict(poller.poll(timeout * 1000))
+                events = dict(poller.poll(int(timeout * 1000)))
                 if router in events:
                     self._drain_requests(router)
                 if self._wake_r in events:

@@ -21,7 +21,6 @@ import traceback
 from collections import deque
 from typing import Any, Callable, Iterator
 
-
 from fuelline.protocol import Batch, DataError, EndOfEpoch, Error, ErrorCode, Hello, ProtocolError, encode
 from fuelline.protocol.arrays import wire_array
 from fuelline.protocol.codec import batch_checksums

@@ -8,10 +8,10 @@ import threading
 from typing import Any
 
 from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS
-from fuelline.server.sources.contract import BatchSource
-from fuelline.server.sources.fuel import DEFAULT_BUFFER_MB, FuelStreamSource
 from fuelline.server.serving.keys import CurveConfig
 from fuelline.server.serving.server import Server
+from fuelline.server.sources.contract import BatchSource
+from fuelline.server.sources.fuel import DEFAULT_BUFFER_MB, FuelStreamSource
 
 __all__ = ["start_server", "serve_until_signalled"]
 

@@ -20,14 +20,14 @@ import pickle
 import threading
 from collections import OrderedDict
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from fuelline.protocol import DataError
-from fuelline.server.sources.contract import BatchSource
-from fuelline.server.sources.options import SourceOptions
 from fuelline.server.cache.decoded import DecodedUnits
+from fuelline.server.sources.contract import Batches, BatchSource
+from fuelline.server.sources.options import SourceOptions
 from fuelline.server.sources.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows, remaining_order
 
 if TYPE_CHECKING:
@@ -41,9 +41,14 @@ log = logging.getLogger("fuelline.server")
 class Column(Protocol):
     """What a reader needs to know of a column: its name, dtype and per-row shape."""
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> str: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 class UnitSource(BatchSource):
@@ -151,7 +156,8 @@ class UnitSource(BatchSource):
     def batches_per_epoch(self, split: str, rank: int, world_size: int) -> int:
         return batches_per_rank(self.rows(split), world_size, self.batch_size)
 
-    @functools.lru_cache(maxsize=8)
+    # Bounded, and the source lives as long as the server: the cache holding ``self`` leaks nothing.
+    @functools.lru_cache(maxsize=8)  # noqa: B019
     def _plan(self, split: str, epoch: int) -> EpochPlan:
         plan = epoch_plan(self.unit_rows(split), self.seed, epoch, self.shuffle, self.shuffle_block)
         plan.order.setflags(write=False)
@@ -220,7 +226,7 @@ class UnitSource(BatchSource):
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
         on_loss: Callable[[str], None] | None = None,
         history: Sequence[tuple[int, int]] = (),
-    ) -> Iterator[dict[str, np.ndarray]]:
+    ) -> Batches:
         """Batches ``start…`` of an epoch for a rank. With ``--on-bad-shard skip`` a unit that
         cannot be read is left out of its batches (which come out shorter) and ``on_loss`` is
         told which and how many rows; otherwise its DataError ends the epoch. ``history``: the

@@ -18,7 +18,7 @@ import numpy as np
 
 from fuelline.protocol import DataError
 from fuelline.protocol.messages import MAX_HISTORY_WORLD
-from fuelline.server.sources.contract import BatchSource
+from fuelline.server.sources.contract import Batches, BatchSource
 from fuelline.server.sources.fuel_epochs import SharedEpochs
 
 __all__ = ["FuelStreamSource", "MAX_WORLD", "DEFAULT_BUFFER_MB"]
@@ -129,7 +129,7 @@ class FuelStreamSource(BatchSource):
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
         on_loss: Callable[[str], None] | None = None,
         history: object = (),
-    ) -> Iterator[dict[str, np.ndarray]]:
+    ) -> Batches:
         if history:
             raise DataError(
                 "a Fuel-style stream cannot resume an epoch on another world size; "
@@ -145,11 +145,12 @@ class FuelStreamSource(BatchSource):
                 slot += 1
                 reader.slot = slot  # (before the yield: this reader is done with that batch)
                 yield {name: batch[name] for name in sources}
-            total = shared.total(reader)
+            total = shared.total(reader) or 0  # (known once the pass has ended)
             per_rank = -(-total // world_size) if total else 0
             # Past the end of the pass: the rank's last slot wraps to one of its first batches.
             while slot < per_rank:
                 batch = shared.get(reader, (rank + slot * world_size) % total)
+                assert batch is not None  # (an index within the pass)
                 slot += 1
                 reader.slot = slot
                 yield {name: batch[name] for name in sources}

@@ -16,10 +16,10 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError
-from fuelline.server.sources.columns import ColumnSpec, column_spec, to_numpy
 from fuelline.server.sources.blocks import UnitSource
-from fuelline.server.sources.options import SourceOptions
+from fuelline.server.sources.columns import ColumnSpec, column_spec, to_numpy
 from fuelline.server.sources.fingerprint import files_part, skipped_summary, unit_parts
+from fuelline.server.sources.options import SourceOptions
 from fuelline.server.sources.storage import Store, storage_info
 
 __all__ = ["ParquetSource", "find_splits"]
@@ -244,7 +244,7 @@ class ParquetSource(UnitSource):
         sp = self._splits[split]
         return f"shard {sp.files[int(sp.unit_file[u])]}, row group {int(sp.unit_group[u])}"
 
-    def decode_unit(self, split: str, u: int, columns: list[ColumnSpec]) -> dict[str, np.ndarray]:
+    def decode_unit(self, split: str, u: int, columns: Sequence[Any]) -> dict[str, np.ndarray]:
         sp = self._splits[split]
         f, g = int(sp.unit_file[u]), int(sp.unit_group[u])
         path = sp.files[f]
