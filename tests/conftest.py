@@ -1,141 +1,24 @@
-"""Fixtures: real server processes on ephemeral ports, with a readiness handshake and deadlines."""
+"""Fixtures: datasets, real server processes on ephemeral ports (with a readiness handshake and
+deadlines, stopped with SIGTERM at teardown), ZeroMQ contexts whose sockets are closed, worker
+pools. The helpers behind them are in tests/support/."""
 
 from __future__ import annotations
 
-import os
-import queue
-import re
-import signal
-import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import zmq
 
+from fuelline.server.ingest.convert import convert
+from fuelline.server.ingest.synth import synthesize
 from fuelline.server.sources.sample import write_sample_dataset
 from fuelline.server.workers.pool import WorkerPool
 
-READY = re.compile(r"serving on (tcp://\S+):(\d+)")
-START_DEADLINE = 30.0
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of a process (VmRSS), in MB."""
-    with open(f"/proc/{pid}/status") as f:
-        match = re.search(r"VmRSS:\s+(\d+) kB", f.read())
-    assert match, f"no VmRSS for pid {pid}"
-    return int(match.group(1)) / 1024
-
-
-class RssSampler(threading.Thread):
-    """Samples a process's VmRSS every 20 ms, so a spike between two checks is seen too."""
-
-    def __init__(self, pid: int) -> None:
-        super().__init__(name="rss-sampler", daemon=True)
-        self.pid = pid
-        self.baseline = self.peak = rss_mb(pid)
-        self._stop_event = threading.Event()
-        self.start()
-
-    def run(self) -> None:
-        while not self._stop_event.wait(0.02):
-            try:
-                self.peak = max(self.peak, rss_mb(self.pid))
-            except (OSError, AssertionError):
-                return  # the process is gone; the test says so on its own
-
-    def stop(self) -> float:
-        self._stop_event.set()
-        self.join(5.0)
-        return self.peak
-
-
-def wait_until(predicate, timeout: float, what: str) -> float:
-    """Wait for a condition another thread or process brings about; returns the seconds waited."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what}: not within {timeout}s")
-        time.sleep(0.01)
-    return time.monotonic() - start
-
-
-class ServerProcess:
-    """A data server in its own process; ``port`` is known once it printed ``serving on``."""
-
-    def __init__(self, args: list[str], log_path: Path, env: dict | None = None) -> None:
-        self.args = args
-        self.log_path = log_path
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env or os.environ.copy()
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        self.port = self._wait_ready()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.put(line)
-
-    def _wait_ready(self) -> int:
-        deadline = time.monotonic() + START_DEADLINE
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.1)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()}")
-                continue
-            match = READY.search(line)
-            if match:
-                return int(match.group(2))
-        self.kill()
-        raise RuntimeError(f"server not ready within {START_DEADLINE}s: {self.log()}")
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text()
-
-    def wait_log(self, pattern: str, timeout: float = 10.0) -> str:
-        """Wait until the server's log matches ``pattern``; return the log."""
-        deadline = time.monotonic() + timeout
-        rx = re.compile(pattern)
-        while time.monotonic() < deadline:
-            text = self.log()
-            if rx.search(text):
-                return text
-            time.sleep(0.05)  # polling a file the server appends to; the deadline bounds it
-        raise AssertionError(f"server log never matched {pattern!r} within {timeout}s:\n{self.log()}")
-
-    def terminate(self, timeout: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"server ignored SIGTERM for {timeout}s")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def close(self) -> None:
-        self.kill()
-        self._log.close()
+from support.processes import ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -144,6 +27,15 @@ def sample_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("data") / "sample"
     write_sample_dataset(str(out), rows=10_000, dim=8, files=4, row_group_rows=500)
     return out
+
+
+@pytest.fixture(scope="session")
+def converted_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small converted multimodal dataset: 6 synthetic recordings of 12 s, train and val."""
+    root = tmp_path_factory.mktemp("converted")
+    synthesize(str(root / "raw"), 6, 12.0, 11, video_dim=4)
+    convert(str(root / "raw"), str(root / "data"), val_fraction=0.34, progress=False)
+    return root / "data"
 
 
 @pytest.fixture
@@ -182,9 +74,17 @@ def start_script(tmp_path: Path, servers: list[ServerProcess]):
 
 @pytest.fixture
 def zmq_context() -> Iterator[zmq.Context]:
+    """A context of the test's own (never the process-wide instance): at teardown every socket the
+    test left open is closed without lingering, and the context must terminate within 5 s."""
     ctx = zmq.Context()
     yield ctx
-    ctx.destroy(linger=0)
+    for sock in list(ctx._sockets):  # (pyzmq's record of the context's live sockets)
+        if not sock.closed:
+            sock.close(linger=0)
+    done = threading.Thread(target=ctx.term, name="zmq-term", daemon=True)
+    done.start()
+    done.join(5.0)
+    assert not done.is_alive(), "the test's ZeroMQ context did not terminate within 5 s"
 
 
 @pytest.fixture
@@ -194,10 +94,3 @@ def pools():
     yield started
     for pool in started:
         pool.close()
-
-
-def start_pool(pools: list, source, workers: int, **options) -> WorkerPool:
-    pool = WorkerPool(source, workers, **options)
-    pools.append(pool)
-    pool.start()
-    return pool

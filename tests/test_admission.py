@@ -24,7 +24,7 @@ from fuelline.client import ServerDataStream
 from fuelline.protocol import Batch, Bye, Credit, Error, Heartbeat, Hello, Welcome, decode, encode
 from fuelline.server.sources.sample import write_sample_dataset
 
-from conftest import RssSampler, wait_until
+from support.processes import RssSampler, wait_until
 
 REPLY_WAIT = 10.0  # seconds a peer waits for an answer from a busy server on 2 shared cores
 ROWS = 8000  # train rows of the sample_dataset fixture: sample_id 0..7999

@@ -18,7 +18,7 @@ import zmq
 from fuelline.client import ServerDataStream
 from fuelline.protocol import ServerUnavailable
 
-from conftest import ServerProcess, wait_until
+from support.processes import ServerProcess, wait_until
 
 ARGS = ("--batch-size", "40", "--heartbeat", "0.2", "--seed", "11")
 

@@ -22,8 +22,8 @@ import pytest
 from fuelline.protocol import DataError
 from fuelline.server.ingest import convert as convert_module
 from fuelline.server.ingest.convert import assign_splits, convert
-from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES, Manifest
 from fuelline.server.ingest.rawformat import CHANNELS, RawDataset, RawRecording
+from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES, Manifest
 
 VIDEO_DIM = 3
 HAND_SECONDS = 2.0

@@ -12,11 +12,12 @@ import pytest
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import DataError
+from fuelline.server.cache.decoded import DecodedUnits
 from fuelline.server.sources.blocks import BlockReader
 from fuelline.server.sources.counters import Counts
-from fuelline.server.cache.decoded import DecodedUnits
-from tests.test_metrics_endpoint import metrics_port, scrape
-from tests.worker_fakes import FakeUnits
+
+from support.metrics import metrics_port, scrape
+from support.workers import FakeUnits
 
 TIMEOUT = 20.0
 SOURCES = ("x", "sample_id")

@@ -152,7 +152,7 @@ def check_command(argv: Sequence[str], where: str) -> Command:
 
 
 def _check_torchrun(cmd: Command, options: list[str]) -> None:
-    for i, arg in enumerate(options):
+    for i, arg in enumerate(options):  # noqa: B007 (i is read after the loop)
         if arg in ("-m", "--module"):
             break
     else:

@@ -1,11 +1,11 @@
-"""Seeded fault schedules against a real ``fuelline serve`` and real clients (tests/fault_schedule.py).
+"""Seeded fault schedules against a real ``fuelline serve`` and real clients (tests/support/fault_schedule.py).
 
 DESIGN.md promises, under Semantics: exactly-once delivery across a server's kill -9 and restart
 and across resumes from ``state_dict`` at any point and on any world size; a restart with other
 options raised as an error, never served silently; a server's memory and threads bounded
 whatever peers send; honest clients complete. Each seed below draws a schedule of those faults and
 the run checks all of it at once; a failure prints the seed and the schedule, and
-``python tests/fault_schedule.py --seed N --steps 6`` replays it. The proxy the faults go through
+``cd tests && python -m support.fault_schedule --seed N --steps 6`` replays it. The proxy the faults go through
 is tested on its own first, so that a schedule's failure is the system's and not the harness's.
 """
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import wait_until
-from fault_schedule import KINDS, make_schedule, run_schedule
-from tcp_proxy import TcpProxy
+from support.fault_schedule import KINDS, make_schedule, run_schedule
+from support.processes import wait_until
+from support.tcp_proxy import TcpProxy
 
 # Fault kinds the schedules draw from. All are on: kill, other-options, pause, cut, delay, stall,
 # silent-peers, hostile-peers, resume, resume-resized, resume-epoch-end (see fault_schedule.py).

@@ -21,9 +21,9 @@ from fuelline.client import ServerDataStream
 from fuelline.protocol import Batch, FingerprintMismatch, Hello, ProtocolError, Welcome, decode, encode
 from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.synth import synthesize
-from fuelline.server.sources.parquet import ParquetSource
 from fuelline.server.multimodal.source import WindowSource
 from fuelline.server.multimodal.stages import band_power
+from fuelline.server.sources.parquet import ParquetSource
 
 TIMEOUT = 20.0
 ROWS = 8000  # the train split of the sample dataset: sample ids 0 … 7999

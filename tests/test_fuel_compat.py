@@ -32,7 +32,7 @@ start_server({stream}, port=0, hwm=3)
 def test_fuel_stream_is_served_whole_in_order(start_script) -> None:
     server = start_script(FUEL_SERVER.format(stream="Stream(10)"))
     with ServerDataStream(("features", "targets"), port=server.port, host="127.0.0.1", timeout=TIMEOUT) as s:
-        for epoch in range(2):
+        for _epoch in range(2):
             batches = list(s.get_epoch_iterator())
             assert len(batches) == 10
             for i, (features, targets) in enumerate(batches):

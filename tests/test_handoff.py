@@ -11,13 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ServerProcess, start_pool
-from worker_fakes import FakeUnits, FileSizeLimitedUnits
 
 from fuelline.client import ServerDataStream
-from fuelline.server.workers import handoff
 from fuelline.server.sources.sample import write_sample_dataset
+from fuelline.server.workers import handoff
 from fuelline.server.workers.pool import WorkerPool
+
+from support.processes import ServerProcess
+from support.workers import FakeUnits, FileSizeLimitedUnits, start_pool
 
 TIMEOUT = 60.0
 PIPED = "decoded units come through the worker processes' pipes instead"

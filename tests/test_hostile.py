@@ -22,8 +22,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import (
@@ -42,7 +41,7 @@ from fuelline.protocol import (
 )
 from fuelline.server.sources.parquet import ParquetSource
 
-from conftest import RssSampler, rss_mb
+from support.processes import RssSampler, rss_mb
 
 ROWS = 8000  # train rows of the sample_dataset fixture, sample_id 0..7999
 REPLY_WAIT = 10.0  # seconds a hostile peer waits for its answer from a busy server on 2 cores

@@ -13,10 +13,10 @@ import socket
 import sys
 from pathlib import Path
 
-from conftest import ServerProcess
-
 from fuelline.client import ServerDataStream
 from fuelline.server.serving.local_ipc import LocalSocketDir, sweep_stale_dirs
+
+from support.processes import ServerProcess
 
 TIMEOUT = 20.0
 

@@ -20,7 +20,7 @@ from fuelline.client import ServerDataStream
 from fuelline.server.sources.parquet import ParquetSource
 from fuelline.server.sources.sample import expected_features
 
-from conftest import RssSampler
+from support.processes import RssSampler
 
 WORLD = 16
 BATCH = 64

@@ -37,8 +37,9 @@ def test_a_server_can_keep_every_client_on_tcp(sample_dataset: Path, start_serve
 
 
 def test_a_client_that_cannot_read_the_token_stays_on_tcp(sample_dataset: Path, start_serve, zmq_context) -> None:
-    from fuelline.protocol import Hello, decode, encode
     import zmq
+
+    from fuelline.protocol import Hello, decode, encode
 
     server = start_serve(sample_dataset, *ARGS)
     sock = zmq_context.socket(zmq.DEALER)

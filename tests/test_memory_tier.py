@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import zmq
 
-from conftest import wait_until
 from fuelline.protocol import Batch, Bye, Credit, Hello
-from fuelline.server.sources.parquet import ParquetSource
 from fuelline.server.cache.memory import RecentBatches
 from fuelline.server.serving.server import Server
-from test_flow_control import RawClient
+from fuelline.server.sources.parquet import ParquetSource
+
+from support.processes import wait_until
+from support.raw_client import RawClient
 
 
 @pytest.fixture

@@ -2,31 +2,13 @@
 
 from __future__ import annotations
 
-import re
-import urllib.request
 from pathlib import Path
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from fuelline.client import ServerDataStream
 
+from support.metrics import metrics_port, scrape
+
 TIMEOUT = 20.0
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """Every sample as {(name, sorted labels): value}."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT) as reply:
-        assert reply.status == 200
-        text = reply.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def metrics_port(server) -> int:
-    return int(re.search(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", server.wait_log("metrics on")).group(1))
 
 
 def test_scrape_counts_what_clients_received(sample_dataset: Path, start_serve) -> None:

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from fuelline.server.sources.ordering import batches_per_rank, epoch_order, rank_rows
 from fuelline.server.sources.parquet import ParquetSource

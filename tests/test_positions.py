@@ -9,11 +9,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import RssSampler, ServerProcess
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import RemoteError
 from fuelline.server.sources.fuel import DEFAULT_BUFFER_MB, MAX_WORLD
+
+from support.processes import RssSampler, ServerProcess
 
 TIMEOUT = 30.0
 

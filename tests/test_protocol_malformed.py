@@ -14,12 +14,27 @@ import msgpack
 import numpy as np
 import pytest
 import xxhash
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fuelline.protocol import (
-    VERSION, WIRE_DTYPES, Batch, Bye, ChecksumMismatch, Credit, EndOfEpoch, Error, Heartbeat, Hello,
-    Limits, MessageTooLarge, ProtocolError, ProtocolVersionError, Welcome, decode, encode, peek_type,
+    VERSION,
+    WIRE_DTYPES,
+    Batch,
+    Bye,
+    ChecksumMismatch,
+    Credit,
+    EndOfEpoch,
+    Error,
+    Heartbeat,
+    Hello,
+    Limits,
+    MessageTooLarge,
+    ProtocolError,
+    ProtocolVersionError,
+    Welcome,
+    decode,
+    encode,
+    peek_type,
 )
 
 DROP = object()  # as an edit: remove the key

@@ -12,8 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.extra.numpy import array_shapes, arrays
 
 from fuelline.protocol import (

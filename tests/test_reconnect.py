@@ -10,7 +10,7 @@ import numpy as np
 
 from fuelline.client import ServerDataStream
 
-from conftest import ServerProcess, wait_until
+from support.processes import ServerProcess, wait_until
 
 ARGS = ("--batch-size", "40", "--heartbeat", "0.2", "--seed", "11")
 

@@ -11,18 +11,8 @@ import pytest
 
 from fuelline.protocol import OptionError
 from fuelline.server import ParquetSource
-from fuelline.server.ingest.convert import convert
-from fuelline.server.ingest.synth import synthesize
 from fuelline.server.multimodal.source import WindowSource
 from fuelline.server.sources.options import SourceOptions
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("options")
-    synthesize(str(root / "raw"), 2, 6.0, 5, video_dim=4)
-    convert(str(root / "raw"), str(root / "data"), val_fraction=0.0, progress=False)
-    return root / "data"
 
 
 @pytest.mark.parametrize("option, value", [
@@ -39,9 +29,9 @@ def test_a_library_error_names_the_argument_not_a_flag(sample_dataset: Path, opt
 
 
 @pytest.mark.parametrize("option, value", [("window", 0.0), ("hop", -1.0), ("max_gap", -1), ("normalize", "minmax")])
-def test_window_options_name_the_argument(converted: Path, option: str, value: object) -> None:
+def test_window_options_name_the_argument(converted_dataset: Path, option: str, value: object) -> None:
     with pytest.raises(OptionError) as caught:
-        WindowSource(str(converted), **{option: value})
+        WindowSource(str(converted_dataset), **{option: value})
     assert caught.value.option == option and "--" not in str(caught.value)
 
 
@@ -73,9 +63,9 @@ def test_numpy_integers_are_whole_numbers(sample_dataset: Path) -> None:
 
 
 @pytest.mark.parametrize("flag, value", [("--window", "0"), ("--max-gap", "-1"), ("--hop", "-0.5")])
-def test_the_command_line_names_the_flag(converted: Path, flag: str, value: str) -> None:
+def test_the_command_line_names_the_flag(converted_dataset: Path, flag: str, value: str) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "fuelline.server.cli", "serve", str(converted), "--port", "0", flag, value],
+        [sys.executable, "-m", "fuelline.server.cli", "serve", str(converted_dataset), "--port", "0", flag, value],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2

@@ -13,8 +13,8 @@ import pytest
 
 from fuelline.server.cli import ingest as ingest_cli
 from fuelline.server.ingest import synth
-from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES
 from fuelline.server.ingest.synth import EMOTION_PROBABILITIES, synthesize
+from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES
 
 SECONDS = 20.0
 JITTER_MS = 0.3
@@ -192,7 +192,7 @@ def test_clock_offsets_and_drifts_are_within_range(many):
 
 def test_devices_start_and_stop_at_different_master_times(probed):
     firsts, lasts = {}, {}
-    for rec_id, modality, _, values, clock in device_files(probed):
+    for rec_id, _modality, _, values, clock in device_files(probed):
         t = to_master(values[:, 0], clock)
         firsts.setdefault(rec_id, []).append(t[0])
         lasts.setdefault(rec_id, []).append(t[-1])
@@ -223,7 +223,7 @@ def test_probe_is_the_master_time_of_the_timestamp_within_jitter(probed, modalit
 @pytest.mark.parametrize("modality", list(MODALITIES))
 def test_master_period_is_the_nominal_period_drifted(probed, modality):
     rate = MODALITIES[modality]
-    for rec_id, mod, _, values, (offset, drift_ppm) in device_files(probed):
+    for rec_id, mod, _, values, (_offset, drift_ppm) in device_files(probed):
         if mod == modality:
             # Which nominal sample each row is, dropped ones skipped: device clock periods since the first.
             index = np.rint((values[:, 0] - values[0, 0]) * rate)

@@ -19,6 +19,8 @@ from fuelline.trainer.dynamic_batch import MicroBatcher  # noqa: E402
 from fuelline.trainer.losses import DynamicWeightAverage, LSTMWeighting, class_weights  # noqa: E402
 from fuelline.trainer.metrics import classification_report  # noqa: E402
 
+from support.trainer import lines, torchrun, torchrun_args  # noqa: E402,F401
+
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -26,22 +28,6 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     synthesize(str(root / "raw"), 16, 20.0, 2, video_dim=8, drop=0.001)
     convert(str(root / "raw"), str(root / "data"), progress=False)
     return root / "data"
-
-
-def torchrun_args(endpoint: str, *options: str, nproc: int = 2) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "-m", "fuelline.trainer", "--servers", endpoint, "--width", "8", *options]
-
-
-def torchrun(endpoint: str, *options: str, nproc: int = 2, timeout: float = 240) -> subprocess.CompletedProcess:
-    result = subprocess.run(torchrun_args(endpoint, *options, nproc=nproc), capture_output=True, text=True,
-                            timeout=timeout)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
-
-
-def lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
 @pytest.mark.timeout(300)

@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 from fuelline.server.ingest.convert import convert  # noqa: E402
 from fuelline.server.ingest.synth import synthesize  # noqa: E402
 from fuelline.trainer.checkpoint import plain  # noqa: E402
-from test_trainer import lines, torchrun_args  # noqa: E402
+
+from support.trainer import lines, torchrun_args  # noqa: E402
 
 
 @pytest.fixture(scope="module")

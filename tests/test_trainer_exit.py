@@ -13,7 +13,8 @@ pytest.importorskip("torch")
 
 from fuelline.server.ingest.convert import convert  # noqa: E402
 from fuelline.server.ingest.synth import synthesize  # noqa: E402
-from test_trainer import lines, torchrun_args  # noqa: E402
+
+from support.trainer import lines, torchrun_args  # noqa: E402
 
 ABORT = "terminate called"
 LAUNCHES = 8

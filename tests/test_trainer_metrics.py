@@ -18,9 +18,17 @@ from fuelline.server.ingest.synth import synthesize  # noqa: E402
 from fuelline.trainer.cli import parse_args  # noqa: E402
 from fuelline.trainer.progress import EpochProgress, use_bar  # noqa: E402
 from fuelline.trainer.timing import (  # noqa: E402
-    GpuSampler, Reservoir, StepTimes, gpu_report, pool, report, summarize, wait_share,
+    GpuSampler,
+    Reservoir,
+    StepTimes,
+    gpu_report,
+    pool,
+    report,
+    summarize,
+    wait_share,
 )
-from test_trainer import lines, torchrun  # noqa: E402
+
+from support.trainer import lines, torchrun  # noqa: E402
 
 SUMMARY = {"p50", "p90", "p99", "max", "mean"}
 

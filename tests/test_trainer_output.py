@@ -16,7 +16,8 @@ from fuelline.server.ingest.convert import convert  # noqa: E402
 from fuelline.server.ingest.synth import synthesize  # noqa: E402
 from fuelline.trainer.metrics import epoch_summary, wire_compression  # noqa: E402
 from fuelline.trainer.onebit import OneBitState  # noqa: E402
-from test_trainer import lines, torchrun  # noqa: E402
+
+from support.trainer import lines, torchrun  # noqa: E402
 
 SUMMARY = re.compile(r"^epoch (\d+)/(\d+)  loss (\d+\.\d{3})  val acc (\d\.\d{3})  macro-F1 (\d\.\d{3})  "
                      r"([\d,]+) samples/s  data wait (\d+\.\d) %  (grad|momentum) (\d+\.\d{3}) B/elem$")

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import zmq
 
-from conftest import wait_until
-from tcp_proxy import TcpProxy
-
 from fuelline.client import ServerDataStream
 from fuelline.protocol import Hello, decode
+
+from support.processes import wait_until
+from support.tcp_proxy import TcpProxy
 
 TIMEOUT = 20.0
 ARGS = ("--batch-size", "100", "--hwm", "4", "--seed", "3")

@@ -13,8 +13,8 @@ import pytest
 
 from fuelline.client import ServerDataStream
 from fuelline.server.ingest.convert import convert
-from fuelline.server.multimodal.manifest import EMOTIONS, MODALITIES, Manifest
 from fuelline.server.ingest.synth import synthesize
+from fuelline.server.multimodal.manifest import EMOTIONS, MODALITIES, Manifest
 from fuelline.server.multimodal.source import SAMPLE_ID_STRIDE, WindowSource
 
 TIMEOUT = 30.0

@@ -15,18 +15,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ServerProcess, start_pool, wait_until
-from worker_fakes import FakeUnits, UncopyableUnits
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import DataError
-from fuelline.server.workers import handoff
 from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.synth import synthesize
+from fuelline.server.multimodal.source import WindowSource
 from fuelline.server.sources.parquet import ParquetSource
 from fuelline.server.sources.sample import write_sample_dataset
-from fuelline.server.multimodal.source import WindowSource
+from fuelline.server.workers import handoff
 from fuelline.server.workers.pool import RemoteTraceback, WorkerError, WorkerPool, WorkerPoolBroken
+
+from support.processes import ServerProcess, wait_until
+from support.workers import FakeUnits, UncopyableUnits, start_pool
 
 TIMEOUT = 60.0
 

@@ -1,8 +1,13 @@
-"""HOST:PORT as people write it, and the ZeroMQ endpoint it names."""
+"""HOST:PORT as people write it, the ZeroMQ endpoint it names, and the line a server prints
+once it accepts clients (``serving on tcp://HOST:PORT``), which launchers and tests wait for."""
 
 from __future__ import annotations
 
-__all__ = ["parse_host_port", "tcp_endpoint"]
+import re
+
+__all__ = ["parse_host_port", "tcp_endpoint", "ready_line", "parse_ready_line"]
+
+_READY = re.compile(r"serving on tcp://(\[[^\]]+\]|[^\s\[\]]+):(\d+)")
 
 
 def parse_host_port(text: str) -> tuple[str, int]:
@@ -22,3 +27,16 @@ def tcp_endpoint(text: str) -> str:
     """The ``tcp://`` endpoint of HOST:PORT, with an IPv6 host in brackets."""
     host, port = parse_host_port(text)
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def ready_line(endpoint: str) -> str:
+    """What a server prints on stdout once it accepts clients at ``endpoint`` (``tcp://…``)."""
+    return f"serving on {endpoint}"
+
+
+def parse_ready_line(line: str) -> tuple[str, int] | None:
+    """(host, port) of a server's ready line (an IPv6 host without its brackets), else None."""
+    match = _READY.match(line.strip())
+    if match is None:
+        return None
+    return match.group(1).strip("[]"), int(match.group(2))

@@ -106,7 +106,7 @@ class Schedule:
     def describe(self) -> str:
         o = self.options
         head = (f"seed {self.seed}: world {o.world}, {o.epochs} epochs, batch size {o.batch_size}, --seed {o.seed}, "
-                f"--workers {o.workers} (replay: python tests/fault_schedule.py --seed {self.seed} --steps {self.steps}"
+                f"--workers {o.workers} (replay: cd tests && python -m support.fault_schedule --seed {self.seed} --steps {self.steps}"
                 f"{'' if self.kinds == KINDS else ' --kinds ' + ','.join(self.kinds)})")
         return "\n".join([head, *(f"  {x}" for x in (*self.stops, *self.faults))])
 

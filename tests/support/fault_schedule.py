@@ -51,10 +51,21 @@ from fuelline.client import ServerDataStream
 from fuelline.protocol import Credit, Hello, encode
 from fuelline.server.sources.sample import expected_features, write_sample_dataset
 
-from conftest import ServerProcess, wait_until
-from fault_plan import (CLIENT_KINDS, KINDS, RSS_BOUND_MB, THREAD_BOUND, Fault, Options, Schedule, Stop, check,
-                        make_schedule, walk)
-from tcp_proxy import TcpProxy
+from support.fault_plan import (
+    CLIENT_KINDS,
+    KINDS,
+    RSS_BOUND_MB,
+    THREAD_BOUND,
+    Fault,
+    Options,
+    Schedule,
+    Stop,
+    check,
+    make_schedule,
+    walk,
+)
+from support.processes import ServerProcess, wait_until
+from support.tcp_proxy import TcpProxy
 
 # The plan's names stay importable from here, where the harness began.
 __all__ = ["CLIENT_KINDS", "KINDS", "RSS_BOUND_MB", "THREAD_BOUND", "Fault", "Options", "Outcome", "Run", "Schedule",
@@ -223,7 +234,7 @@ class Run:
     def _faults(self) -> None:
         for fault in self.s.faults:
             with self.cond:
-                due = self.cond.wait_for(lambda: self.progress >= fault.at or self.readers_done, self._left())
+                due = self.cond.wait_for(lambda at=fault.at: self.progress >= at or self.readers_done, self._left())
                 self.started += 1  # readers go on meanwhile: the fault meets them mid-stream
                 self.cond.notify_all()
             if not due or self.readers_done or self.abort.wait(fault.wait):

@@ -4,7 +4,7 @@
 port, waits until it answers over HTTP, and kills it at the end. ``s3`` (per test) puts the
 credentials and endpoint into the environment (so server processes started by the test inherit
 them) and gives a fresh bucket. Import both into a test module:
-``from s3_server import s3, s3_server  # noqa: F401`` (tests/ is on the path, as for conftest).
+``from support.s3 import s3, s3_server  # noqa: F401`` (tests/ is on the path, as for conftest).
 """
 
 from __future__ import annotations

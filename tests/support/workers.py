@@ -15,6 +15,7 @@ import numpy as np
 from fuelline.protocol import DataError
 from fuelline.server.sources.blocks import UnitSource
 from fuelline.server.sources.options import SourceOptions
+from fuelline.server.workers.pool import WorkerPool
 
 
 @dataclass(frozen=True)
@@ -125,3 +126,10 @@ class FileSizeLimitedUnits(FakeUnits):
         if os.getpid() != state["home"]:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # (its default ends the process)
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
+def start_pool(pools: list, source, workers: int, **options) -> WorkerPool:
+    pool = WorkerPool(source, workers, **options)
+    pools.append(pool)
+    pool.start()
+    return pool
