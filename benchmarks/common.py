@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import signal
 import subprocess
 import sys
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
+
+from fuelline.protocol.common.endpoints import parse_ready_line
 
 __all__ = [
     "BENCH_DIR", "ROOT", "RESULTS_DIR", "DEFAULT_DATA_DIR",
@@ -143,7 +144,6 @@ def progress(line: str) -> None:
 
 
 # -- data servers in their own processes -----------------------------------------------------------
-_SERVING = re.compile(r"serving on tcp://(\[[^\]]+\]|[^:\s]+):(\d+)")
 
 
 class ServerProcess:
@@ -211,9 +211,9 @@ class ServerProcess:
                 assert self._proc is not None
                 rc = self._proc.wait(timeout=10)
                 raise RuntimeError(f"{self.name} exited with status {rc} before serving{self._log_tail()}")
-            match = _SERVING.search(line)
-            if match:
-                self.host, self.port = match.group(1).strip("[]"), int(match.group(2))
+            ready = parse_ready_line(line)
+            if ready is not None:
+                self.host, self.port = ready
                 return
 
     def stop(self, timeout: float = 10.0) -> dict[str, Any]:

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import IO, Sequence
 
+from fuelline.protocol.common.endpoints import parse_ready_line
+
 READY_S = 120.0
 STOP_S = 10.0
 
@@ -127,9 +129,11 @@ def stop_all(children: list[Child]) -> None:
 def wait_serving(server: Child, out_path: Path) -> str:
     deadline = time.monotonic() + READY_S
     while time.monotonic() < deadline:
-        match = re.search(r"serving on tcp://(\S+)", out_path.read_text() if out_path.exists() else "")
-        if match:
-            return match.group(1)
+        for line in (out_path.read_text() if out_path.exists() else "").splitlines():
+            ready = parse_ready_line(line)
+            if ready is not None:
+                host, port = ready
+                return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if not server.alive():
             raise RuntimeError(f"{server.name} exited with {server.proc.returncode} before serving:\n{server.tail()}")
         time.sleep(0.1)  # polling the readiness line; the deadline bounds it

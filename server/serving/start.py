@@ -7,6 +7,7 @@ import sys
 import threading
 from typing import Any
 
+from fuelline.protocol.common.endpoints import ready_line
 from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS
 from fuelline.server.serving.keys import CurveConfig
 from fuelline.server.serving.server import Server
@@ -27,7 +28,7 @@ def serve_until_signalled(server: Server, announce: bool = True) -> None:
 
     def ready(endpoint: str) -> None:
         if announce:
-            print(f"serving on {endpoint}", flush=True)
+            print(ready_line(endpoint), flush=True)
 
     server.serve_forever(ready=ready)
 
