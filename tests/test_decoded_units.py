@@ -13,7 +13,7 @@ import pytest
 from fuelline.client import ServerDataStream
 from fuelline.protocol import DataError
 from fuelline.server.cache.decoded import DecodedUnits
-from fuelline.server.sources.blocks import BlockReader
+from fuelline.server.sources.block_reader import BlockReader
 from fuelline.server.sources.counters import Counts
 
 from support.metrics import metrics_port, scrape

@@ -27,46 +27,24 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-import re
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
-from urllib.parse import urlsplit, urlunsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 
 from fuelline.protocol import DataError
+from fuelline.server.sources.locations import default_cache_dir, is_uri, redact_uri
 
 __all__ = ["Store", "FileStat", "is_uri", "redact_uri", "default_cache_dir", "storage_info", "STORAGE_COUNTERS"]
 
 log = logging.getLogger("fuelline.server")
 
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 PREFETCH_THREADS = 2  # fetching is network-bound; a couple of streams keep ahead of decoding
 PREFETCH_QUEUE = 64  # requests beyond this many pending are dropped: the read fetches on demand
-
-
-def is_uri(dataset: str) -> bool:
-    """True for ``scheme://…``; a plain path (even one holding a colon) is not a URI."""
-    return bool(_SCHEME.match(dataset))
-
-
-def redact_uri(uri: str) -> str:
-    """The URI without user info (credentials) or query (endpoint options, keys): what messages show."""
-    if not is_uri(uri):
-        return uri
-    parts = urlsplit(uri)
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return urlunsplit((parts.scheme, host, parts.path, "", "")).rstrip("/")
-
-
-def default_cache_dir() -> str:
-    """``$XDG_CACHE_HOME/fuelline``, or ``~/.cache/fuelline``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "fuelline")
 
 
 @dataclass(frozen=True)
