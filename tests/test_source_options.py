@@ -71,3 +71,22 @@ def test_the_command_line_names_the_flag(converted_dataset: Path, flag: str, val
     assert result.returncode == 2
     assert f"fuelline serve: error: {flag} must be" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_convert_names_the_argument_and_its_command_line_the_flag(tmp_path: Path) -> None:
+    from fuelline.server.ingest.convert import convert
+    from fuelline.server.ingest.synth import synthesize
+
+    synthesize(str(tmp_path / "raw"), 2, 4.0, 3, video_dim=4)
+    with pytest.raises(OptionError, match=r"^val_fraction 0\.9 leaves no recording in the train split"):
+        convert(str(tmp_path / "raw"), str(tmp_path / "a"), val_fraction=0.9, progress=False)
+    with pytest.raises(OptionError, match=r"^recordings_per_shard must be >= 1"):
+        convert(str(tmp_path / "raw"), str(tmp_path / "b"), recordings_per_shard=0, progress=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "fuelline.server.cli", "convert", str(tmp_path / "raw"), str(tmp_path / "c"),
+         "--val-fraction", "0.9"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "fuelline convert: error: --val-fraction 0.9 leaves no recording in the train split" in result.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()

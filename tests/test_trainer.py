@@ -17,7 +17,7 @@ from fuelline.server.ingest.convert import convert  # noqa: E402
 from fuelline.server.ingest.synth import synthesize  # noqa: E402
 from fuelline.trainer.dynamic_batch import MicroBatcher  # noqa: E402
 from fuelline.trainer.losses import DynamicWeightAverage, LSTMWeighting, class_weights  # noqa: E402
-from fuelline.trainer.metrics import classification_report  # noqa: E402
+from fuelline.trainer.report import classification_report  # noqa: E402
 
 from support.trainer import lines, torchrun, torchrun_args  # noqa: E402,F401
 

@@ -14,8 +14,8 @@ pytest.importorskip("torch")
 
 from fuelline.server.ingest.convert import convert  # noqa: E402
 from fuelline.server.ingest.synth import synthesize  # noqa: E402
-from fuelline.trainer.metrics import epoch_summary, wire_compression  # noqa: E402
 from fuelline.trainer.onebit import OneBitState  # noqa: E402
+from fuelline.trainer.report import epoch_summary, wire_compression  # noqa: E402
 
 from support.trainer import lines, torchrun  # noqa: E402
 

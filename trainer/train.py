@@ -24,11 +24,11 @@ from fuelline.trainer.cli import parse_args
 from fuelline.trainer.dynamic_batch import MicroBatcher
 from fuelline.trainer.lifecycle import shutdown
 from fuelline.trainer.losses import class_weights, l2_norm, make_weighting, modality_losses
-from fuelline.trainer.metrics import classification_report, epoch_summary, wire_compression
 from fuelline.trainer.model_spec import EVAL_HEAD, as_heads, build_model, scan_classes
 from fuelline.trainer.onebit_momentum import register_momentum_hook
 from fuelline.trainer.optimizers import exchanges_momentum, make_optimizer
 from fuelline.trainer.progress import EpochProgress, use_bar
+from fuelline.trainer.report import classification_report, epoch_summary, wire_compression
 from fuelline.trainer.timing import GpuSampler, StepTimes, gpu_report, report as timing_report, wait_share
 
 __all__ = ["main"]

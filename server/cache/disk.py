@@ -290,7 +290,7 @@ class DiskCache:
             _fsync_dir(folder)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
-                raise DataError(f"{where}: no space left in --cache-dir {self.base} ({exc})") from None
+                raise DataError(f"{where}: no space left in the cache folder {self.base} ({exc})") from None
             raise DataError(f"{where}: cannot write its cached copy in {folder} ({exc})") from None
         finally:
             with contextlib.suppress(FileNotFoundError):

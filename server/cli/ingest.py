@@ -6,6 +6,7 @@ import argparse
 import math
 import time
 
+from fuelline.protocol import DataError, OptionError
 from fuelline.protocol.common.argtypes import checked, fraction, positive_int
 from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.synth import synthesize
@@ -85,7 +86,10 @@ def summary(manifest: Manifest, dataset: str, seconds: float) -> str:
 
 def run_convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    manifest = convert(args.raw, args.dataset, val_fraction=args.val_fraction, seed=args.seed,
-                       recordings_per_shard=args.recordings_per_shard)
+    try:
+        manifest = convert(args.raw, args.dataset, val_fraction=args.val_fraction, seed=args.seed,
+                           recordings_per_shard=args.recordings_per_shard)
+    except OptionError as exc:  # (the library names the argument; here the flag)
+        raise DataError(f"--{exc.option.replace('_', '-')} {exc.rule}") from None
     print(summary(manifest, args.dataset, time.perf_counter() - start))
     return 0

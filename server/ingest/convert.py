@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from fuelline.protocol import DataError
+from fuelline.protocol import DataError, OptionError
 from fuelline.protocol.common.atomic import atomic_directory
 from fuelline.server.ingest.rawformat import RawDataset, RawRecording, RawSignal, check_same_channels
 from fuelline.server.multimodal.manifest import (
@@ -254,9 +254,9 @@ class _Conversion:
 
 def _check_options(val_fraction: float, recordings_per_shard: int) -> None:
     if not 0.0 <= val_fraction < 1.0:
-        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+        raise OptionError("val_fraction", f"must be in [0, 1), got {val_fraction}")
     if recordings_per_shard < 1:
-        raise DataError(f"--recordings-per-shard must be >= 1, got {recordings_per_shard}")
+        raise OptionError("recordings_per_shard", f"must be >= 1, got {recordings_per_shard}")
 
 
 def _show_progress(progress: bool | None) -> bool:
@@ -288,7 +288,7 @@ def convert(raw: str, dataset: str, *, val_fraction: float = 0.2, seed: int = 0,
     source = RawDataset(raw)
     splits = assign_splits(source.recordings, val_fraction, seed)
     if "train" not in splits.values():
-        raise DataError(f"--val-fraction {val_fraction} leaves no recording in the train split")
+        raise OptionError("val_fraction", f"{val_fraction} leaves no recording in the train split")
     parent = os.path.dirname(os.path.abspath(dataset))
     if not os.path.isdir(parent):
         raise DataError(f"{parent}: no such folder to write {os.path.basename(dataset)} into")

@@ -172,7 +172,7 @@ def keygen(directory: PathLike, name: str = "server") -> tuple[str, str]:
 
 
 def _exists(path: str) -> FileExistsError:
-    return FileExistsError(f"{path} exists; keygen never overwrites a key (remove it, or choose another --name)")
+    return FileExistsError(f"{path} exists; keygen never overwrites a key (remove it, or choose another name)")
 
 
 def _place(source: str, target: str) -> None:
