@@ -1,0 +1,93 @@
+"""The documentation site builds with warnings as errors, and its generated pages say what the code says."""
+
+from __future__ import annotations
+
+import argparse
+import html
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_TIMEOUT_S = 120
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("fuelline_docs_hooks", ROOT / "docs" / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
+    return out
+
+
+def _text(page: Path) -> str:
+    return html.unescape(re.sub(r"<[^>]+>", "", page.read_text()))
+
+
+def test_the_site_builds_strict_with_every_page_of_the_nav(site: Path) -> None:
+    for page in ("index", "concepts", "glossary", "serving", "training-loop", "trainer", "operations", "security",
+                 "guarantees", "benchmarks", "cli", "api"):
+        path = site / "index.html" if page == "index" else site / page / "index.html"
+        assert path.is_file(), page
+
+
+def test_the_cli_page_holds_every_subcommand_and_option_of_the_parsers(site: Path) -> None:
+    from fuelline.server.cli.main import build_parser
+    from fuelline.trainer.cli import build_parser as build_trainer_parser
+
+    text = _text(site / "cli" / "index.html")
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sub.choices
+    for name, parser in sub.choices.items():
+        assert f"fuelline {name}" in text, name
+        for action in parser._actions:
+            for option in action.option_strings:
+                assert option in text, f"fuelline {name} {option}"
+    for action in build_trainer_parser()._actions:
+        for option in action.option_strings:
+            assert option in text, f"trainer {option}"
+
+
+def test_the_api_page_documents_the_public_api_from_its_docstrings(site: Path) -> None:
+    text = _text(site / "api" / "index.html")
+    for name in ("ServerDataStream", "get_epoch_iterator", "state_dict", "ServerDataset", "start_server",
+                 "BatchSource", "SourceOptions", "FingerprintMismatch", "ServerUnavailable", "OneBitState",
+                 "OneBitAdam", "OneBitSGD"):
+        assert name in text, name
+    from fuelline.client.stream import ServerDataStream
+
+    first_line = ServerDataStream.__doc__.strip().splitlines()[0].replace("`", "")
+    assert " ".join(first_line.split()) in " ".join(text.split())
+
+
+def test_pages_that_show_a_readme_section_show_its_current_words(site: Path) -> None:
+    hooks = _hooks()
+    for page, title in (("training-loop", "Read it in a training loop"), ("trainer", "Train with torchrun"),
+                        ("benchmarks", "Benchmarks")):
+        section = hooks.readme_section(title)
+        first = next(line for line in section.splitlines() if line and not line.startswith(("```", "!", "|")))
+        words = re.sub(r"[`*]|\[([^]]*)\]\([^)]*\)", r"\1", first).split()
+        assert " ".join(words[:6]) in " ".join(_text(site / page / "index.html").split()), page
+
+
+def test_a_missing_readme_section_is_an_error_naming_it(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n## Kept\n\nwords\n")
+    hooks = _hooks()
+    assert hooks.readme_section("Kept", readme) == "words\n"
+    with pytest.raises(ValueError, match="## Gone"):
+        hooks.readme_section("Gone", readme)
