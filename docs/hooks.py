@@ -5,6 +5,8 @@
 - ``<!-- readme: TITLE -->`` becomes the body of the README's ``## TITLE`` section. The sections the
   README keeps (the training loop, the trainer, sizing, benchmarks) have one source, and the site
   shows the same words.
+- ``<!-- include: PATH -->`` becomes the file at PATH (from the repository root), its headings one
+  level down: the deploy folders' READMEs, which sit beside the files they describe.
 - The API reference's loader (griffe) finds modules by their files, but ``fuelline`` exists only as
   a mapping in ``setup.cfg`` (``fuelline.server = server`` …). A tree of links under
   ``build/api-src/fuelline`` gives it the package as Python imports it.
@@ -27,6 +29,7 @@ API_SRC = ROOT / "build" / "api-src"
 PACKAGES = ("protocol", "server", "client", "trainer")
 CLI_MARKER = "<!-- cli-reference -->"
 README_MARKER = re.compile(r"<!-- readme: (.+?) -->")
+INCLUDE_MARKER = re.compile(r"<!-- include: (\S+?) -->")
 IMAGE_LINK = re.compile(r"\]\(((?:benchmarks/results)/[^)\s]+\.png)\)")
 
 
@@ -53,6 +56,23 @@ def readme_section(title: str, readme: Path = ROOT / "README.md") -> str:
     return body.replace("](#command-line-reference)", "](cli.md)")
 
 
+def included(path: str) -> str:
+    """The Markdown file at ``path`` (relative to the repository root), its headings one level down.
+
+    Raises:
+        ValueError: no such file.
+    """
+    source = ROOT / path
+    if not source.is_file():
+        raise ValueError(f"{source}: no such file (named by a <!-- include: {path} --> marker)")
+    lines, fenced = [], False
+    for line in source.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        lines.append("#" + line if line.startswith("#") and not fenced else line)
+    return "\n".join(lines) + "\n"
+
+
 def on_startup(command: str, dirty: bool) -> None:
     # Before any plugin's on_config: mkdocstrings reads its handler's paths there.
     package = API_SRC / "fuelline"
@@ -76,4 +96,5 @@ def on_files(files: Files, config: Any) -> Files:
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     if CLI_MARKER in markdown:
         markdown = markdown.replace(CLI_MARKER, _cli_reference().render())
+    markdown = INCLUDE_MARKER.sub(lambda m: included(m.group(1)), markdown)
     return README_MARKER.sub(lambda m: readme_section(m.group(1)), markdown)

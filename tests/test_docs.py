@@ -39,8 +39,8 @@ def _text(page: Path) -> str:
 
 
 def test_the_site_builds_strict_with_every_page_of_the_nav(site: Path) -> None:
-    for page in ("index", "concepts", "glossary", "serving", "training-loop", "trainer", "operations", "security",
-                 "guarantees", "benchmarks", "cli", "api"):
+    for page in ("index", "concepts", "glossary", "serving", "training-loop", "trainer", "operations", "deploy",
+                 "security", "guarantees", "benchmarks", "cli", "api"):
         path = site / "index.html" if page == "index" else site / page / "index.html"
         assert path.is_file(), page
 
@@ -91,3 +91,19 @@ def test_a_missing_readme_section_is_an_error_naming_it(tmp_path: Path) -> None:
     assert hooks.readme_section("Kept", readme) == "words\n"
     with pytest.raises(ValueError, match="## Gone"):
         hooks.readme_section("Gone", readme)
+
+
+def test_the_deploy_page_shows_each_deploy_readme(site: Path) -> None:
+    text = " ".join(_text(site / "deploy" / "index.html").split())
+    for folder in ("systemd", "container", "kubernetes"):
+        title = (ROOT / "deploy" / folder / "README.md").read_text().splitlines()[0].lstrip("# ")
+        assert title in text, folder
+
+
+def test_an_include_demotes_headings_outside_code_and_names_a_missing_file(tmp_path: Path) -> None:
+    hooks = _hooks()
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n## Part\n\n```\n# a shell comment\n```\n")
+    assert hooks.included(str(page)) == "## Title\n\n### Part\n\n```\n# a shell comment\n```\n"
+    with pytest.raises(ValueError, match="gone.md"):
+        hooks.included(str(tmp_path / "gone.md"))
