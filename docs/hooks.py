@@ -30,12 +30,15 @@ PACKAGES = ("protocol", "server", "client", "trainer")
 CLI_MARKER = "<!-- cli-reference -->"
 README_MARKER = re.compile(r"<!-- readme: (.+?) -->")
 INCLUDE_MARKER = re.compile(r"<!-- include: (\S+?) -->")
-IMAGE_LINK = re.compile(r"\]\(((?:benchmarks/results)/[^)\s]+\.png)\)")
+IMAGE_LINK = re.compile(r"!\[[^]]*\]\(([\w./-]+\.(?:png|svg|jpg))\)")
+# A link (not an image) to a repository file outside docs/: the site holds no copy of it.
+REPO_LINK = re.compile(r"(?<!!)\[([^]]+)\]\((?!https?:|#|docs/|mailto:)([\w./-]+)\)")
 
 
 def _cli_reference() -> ModuleType:
     spec = importlib.util.spec_from_file_location("fuelline_docs_cli_reference", ROOT / "docs" / "cli_reference.py")
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {ROOT / 'docs' / 'cli_reference.py'}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -52,6 +55,7 @@ def readme_section(title: str, readme: Path = ROOT / "README.md") -> str:
     if match is None:
         raise ValueError(f"{readme}: no section '## {title}' (named by a <!-- readme: {title} --> marker)")
     body = match.group(1).strip() + "\n"
+    body = REPO_LINK.sub(lambda m: f"{m.group(1)} (`{m.group(2)}`)", body)
     body = body.replace("](docs/", "](")
     return body.replace("](#command-line-reference)", "](cli.md)")
 
@@ -87,7 +91,7 @@ def on_startup(command: str, dirty: bool) -> None:
 
 def on_files(files: Files, config: Any) -> Files:
     readme = (ROOT / "README.md").read_text()
-    for uri in sorted(set(IMAGE_LINK.findall(readme))):
+    for uri in sorted({uri for uri in IMAGE_LINK.findall(readme) if not uri.startswith("docs/")}):
         if files.get_file_from_path(uri) is None and (ROOT / uri).is_file():
             files.append(File.generated(config, uri, abs_src_path=str(ROOT / uri)))
     return files

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BUILD_TIMEOUT_S = 120
+BUILD_TIMEOUT_S = 60
 
 
 def _hooks():
@@ -89,6 +89,8 @@ def test_a_missing_readme_section_is_an_error_naming_it(tmp_path: Path) -> None:
     readme.write_text("# x\n\n## Kept\n\nwords\n")
     hooks = _hooks()
     assert hooks.readme_section("Kept", readme) == "words\n"
+    readme.write_text("## Kept\n\n[an example](examples/dataloader.py), [a page](docs/api.md), [up](#kept)\n")
+    assert hooks.readme_section("Kept", readme) == "an example (`examples/dataloader.py`), [a page](api.md), [up](#kept)\n"
     with pytest.raises(ValueError, match="## Gone"):
         hooks.readme_section("Gone", readme)
 
