@@ -76,8 +76,8 @@ def test_the_api_page_documents_the_public_api_from_its_docstrings(site: Path) -
 
 def test_pages_that_show_a_readme_section_show_its_current_words(site: Path) -> None:
     hooks = _hooks()
-    for page, title in (("training-loop", "Read it in a training loop"), ("trainer", "Train with torchrun"),
-                        ("benchmarks", "Benchmarks")):
+    for page, title in (("", "Install"), ("training-loop", "Read it in a training loop"),
+                        ("trainer", "Train with torchrun"), ("operations", "Sizing"), ("benchmarks", "Benchmarks")):
         section = hooks.readme_section(title)
         first = next(line for line in section.splitlines() if line and not line.startswith(("```", "!", "|")))
         words = re.sub(r"[`*]|\[([^]]*)\]\([^)]*\)", r"\1", first).split()
@@ -109,3 +109,9 @@ def test_an_include_demotes_headings_outside_code_and_names_a_missing_file(tmp_p
     assert hooks.included(str(page)) == "## Title\n\n### Part\n\n```\n# a shell comment\n```\n"
     with pytest.raises(ValueError, match="gone.md"):
         hooks.included(str(tmp_path / "gone.md"))
+
+
+def test_the_install_says_how_to_get_torch_s_cpu_build(site: Path) -> None:
+    line = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+    assert line in (ROOT / "README.md").read_text()
+    assert line in _text(site / "index.html")
