@@ -1,6 +1,6 @@
 """1-bit momentum SGD, and ``--compression onebit`` running the compressed-momentum optimizers.
 
-The optimizer tests run on real gloo groups (the rank processes of test_onebit); the trainer
+The optimizer tests run on real gloo groups (the rank processes of support.onebit); the trainer
 tests on torchrun against a real data server.
 """
 
@@ -17,8 +17,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_onebit import _assert_replicas_identical, _message_bytes, _mlp, ranks  # noqa: F401
-from test_trainer import lines, torchrun
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -28,6 +26,9 @@ from fuelline.trainer.cli import ONEBIT_SGD_MAX_WORLD, parse_args
 from fuelline.trainer.onebit import OneBitState
 from fuelline.trainer.onebit_momentum import register_momentum_hook
 from fuelline.trainer.onebit_sgd import OneBitSGD
+
+from support.onebit import _assert_replicas_identical, _message_bytes, _mlp, ranks  # noqa: F401
+from support.trainer import lines, torchrun
 
 WARMUP, STEPS = 5, 25
 

@@ -9,10 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from test_trainer import torchrun_args  # noqa: E402
-
 from fuelline.server.ingest.convert import convert  # noqa: E402
 from fuelline.server.ingest.synth import synthesize  # noqa: E402
+
+from support.trainer import torchrun_args  # noqa: E402
 
 STEPS, STOP = 8, 4
 
