@@ -1,0 +1,170 @@
+"""Admission bounds under attack: idle Hellos, credit lies and big messages cost the server no
+thread, and no memory, beyond its own caps.
+
+DESIGN.md (Safety): sessions, threads and memory are bounded by the server's own caps, whatever
+peers send or claim (credit, heartbeat, world size). Each test attacks a real server process over
+loopback, checks the bound the attack used to break, and that an honest client reading at the
+same time gets its exact epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+from fuelline.protocol import Batch, Credit, Error, Hello, Welcome, encode
+from fuelline.server.sources.sample import write_sample_dataset
+
+from support.admission import ROWS, WIDE_BATCH, WIDE_ROWS, Peer, ThreadPeak, start_honest, thread_count, welcome_all
+from support.processes import RssSampler
+
+
+@pytest.fixture(scope="module")
+def wide_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8000 rows of 256 features (6400 train): batches big enough that holding them shows."""
+    out = tmp_path_factory.mktemp("wide") / "wide"
+    write_sample_dataset(str(out), rows=8000, dim=256, files=4, row_group_rows=800)
+    return out
+
+
+# -- attack 1: connections that say Hello and nothing more ------------------------------------------
+@pytest.mark.timeout(60)
+def test_idle_hellos_cost_no_thread_and_little_memory(wide_dataset: Path, start_serve, zmq_context) -> None:
+    server = start_serve(wide_dataset, "--batch-size", str(WIDE_BATCH), "--hwm", "4")
+    honest, attack_over = start_honest(server.port)
+    rss, threads = RssSampler(server.proc.pid), ThreadPeak(server.proc.pid)
+    peers = [Peer(zmq_context, server.port) for _ in range(200)]
+    try:
+        answers = welcome_all(peers, lambda i: Hello(f"idle-{i}", credit=0, heartbeat=3600.0))
+        assert all(isinstance(a, Welcome) for a in answers), [a for a in answers if not isinstance(a, Welcome)][:3]
+        threads_welcomed = thread_count(server.proc.pid)  # (each producer used to start as its Welcome left)
+    finally:
+        attack_over.set()
+    try:
+        honest.check_epoch(WIDE_ROWS)  # the idle sessions still open meanwhile
+    finally:
+        rss_peak, threads_peak = rss.stop(), max(threads.stop(), threads_welcomed)
+        for peer in peers:
+            peer.close()
+    assert server.proc.poll() is None, server.log()[-3000:]
+    print(f"\nidle hellos: server threads {threads.baseline} -> {threads_peak}, RSS {rss.baseline:.0f} -> "
+          f"{rss_peak:.0f} MB; honest longest gap {honest.max_gap * 1e3:.0f} ms")
+    # A session with no credit has no producer thread and holds no batch: 200 of them may cost
+    # their Python objects and libzmq's pipes (a few MB), not 200 threads × 2 × hwm batches
+    # (~1 GB here). The read-ahead pool may start its threads meanwhile (up to min(4, cores)).
+    assert threads_peak <= threads.baseline + min(4, os.cpu_count() or 1), f"{threads_peak} threads"
+    assert rss_peak - rss.baseline < 64, f"server RSS grew {rss_peak - rss.baseline:.0f} MB for 200 idle sessions"
+
+
+# -- attack 2: credit lies ---------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("lie, pace, dropped_for", [
+    # Credit(2**30) again and again: refused at once.
+    (2**30, 0.005, "a credit no client could grant, from 127.0.0.1"),
+    # Credit(1) per batch it was sent, reading none: each lie is one an honest client could tell,
+    # so the send queue's cap (hwm batches and a few control messages) is what stops it; where the
+    # server's producer falls behind the lies, the credit check does.
+    (1, 0.02, "(not reading|a credit no client could grant)"),
+])
+def test_a_client_that_grants_credit_and_reads_nothing_is_dropped_and_costs_at_most_its_hwm(
+    wide_dataset: Path, start_serve, zmq_context, lie: int, pace: float, dropped_for: str
+) -> None:
+    hwm, memory_cache, control_messages = 4, 10, 16
+    server = start_serve(wide_dataset, "--batch-size", str(WIDE_BATCH), "--hwm", str(hwm),
+                         "--memory-cache", str(memory_cache))
+    honest, attack_over = start_honest(server.port)
+    rss = RssSampler(server.proc.pid)
+    liar = Peer(zmq_context, server.port, rcvhwm=1)  # reads (almost) nothing: what is sent piles up
+    dropped = re.compile(rf"client liar#\w+ dropped: {dropped_for}")
+    try:
+        # Credit for batches a session never sent is no lie from a client that reconnected
+        # holding batches of its connection before: it returns their credit as its user takes them.
+        before, after = Peer(zmq_context, server.port), Peer(zmq_context, server.port)
+        before.send(Hello("reconnecting", credit=hwm, heartbeat=60.0))
+        assert isinstance(before.answer(), Welcome)
+        assert [getattr(before.answer(), "seq", None) for _ in range(hwm)] == list(range(hwm))
+        before.close()
+        after.send(Hello("reconnecting", cursor=hwm, credit=0, heartbeat=60.0))  # holding hwm batches
+        assert isinstance(after.answer(), Welcome)
+        for _ in range(hwm):
+            after.send(Credit(1))
+        assert [getattr(after.answer(), "seq", None) for _ in range(hwm)] == list(range(hwm, 2 * hwm))
+        after.close()
+
+        liar.send(Hello("liar", credit=hwm, heartbeat=3600.0))
+        assert isinstance(liar.answer(), Welcome)
+        assert isinstance(liar.answer(), Batch)  # its hwm batches are on their way
+        deadline = time.monotonic() + 20.0
+        while not dropped.search(server.log()) and time.monotonic() < deadline:
+            for _ in range(10):
+                liar.send(Credit(lie))
+                time.sleep(pace)  # pacing the attack, so each lie meets the batches the last one let through
+        text = server.wait_log(dropped.pattern, timeout=1.0)
+    finally:
+        attack_over.set()
+        try:
+            honest.check_epoch(WIDE_ROWS)
+        finally:
+            rss_peak = rss.stop()
+            liar.close()
+    assert server.proc.poll() is None, server.log()[-3000:]
+    print(f"\ncredit lies of {lie}: {dropped.search(text).group(0)!r}; server RSS {rss.baseline:.0f} -> "
+          f"{rss_peak:.0f} MB; honest longest gap {honest.max_gap * 1e3:.0f} ms")
+    # What the liar may cost: its memory tier (memory_cache + hwm batches), the hwm prepared
+    # ahead, and its send queue (hwm batches and the control messages); plus allocator slack (the
+    # producer threads' malloc arenas keep freed batches). libzmq's default queue of 1000
+    # messages per peer held over 600 MB here.
+    batch_mb = WIDE_BATCH * 256 * 4 / 2**20
+    bound = (memory_cache + 3 * hwm + control_messages) * batch_mb + 96
+    assert rss_peak - rss.baseline < bound, f"server RSS grew {rss_peak - rss.baseline:.0f} MB (bound {bound:.0f})"
+    assert "Traceback" not in text
+
+
+# -- attack 3: big messages of a kind that carries no arrays ----------------------------------------
+@pytest.mark.timeout(90)
+def test_messages_of_many_frames_are_refused_by_their_header_without_copying_them(
+    sample_dataset: Path, start_serve, zmq_context
+) -> None:
+    server = start_serve(sample_dataset, "--batch-size", "64", "--hwm", "4")
+    honest, attack_over = start_honest(server.port)
+    rss = RssSampler(server.proc.pid)
+    frames_per_message, messages = 100, 16
+    frame = bytes((1 << 20) - 64)  # each frame under the server's 1 MiB limit, 100 MiB a message
+    attacker = Peer(zmq_context, server.port)
+    attacker.sock.setsockopt(zmq.SNDHWM, 0)
+    answers = []
+    try:
+        for i in range(messages):
+            header = encode(Credit(1) if i % 2 else Hello("frames", credit=1))[0]
+            attacker.send([header, *([frame] * frames_per_message)])
+        answers = [attacker.answer() for _ in range(messages)]
+        # A batch header that lists arrays the size of its frames is a batch, which only a
+        # server may send: refused as such, its frames still unread.
+        entries = [[f"a{i}", "|u1", [len(frame)], len(frame), None] for i in range(frames_per_message)]
+        batch = msgpack.packb({"v": 1, "t": "batch", "stream": 0, "epoch": 0, "seq": 0, "a": entries, "ck": None})
+        attacker.send([batch, *([frame] * frames_per_message)])
+        answers.append(attacker.answer())
+    finally:
+        attack_over.set()
+        try:
+            honest.check_epoch(ROWS)
+        finally:
+            rss_peak = rss.stop()
+            attacker.close()
+    assert server.proc.poll() is None, server.log()[-3000:]
+    codes = [a.code if isinstance(a, Error) else a for a in answers]
+    assert codes == ["malformed"] * messages + ["bad-request"], codes
+    assert "carries 100 unexpected frames" in answers[0].message, answers[0].message
+    print(f"\n{messages} messages of {frames_per_message} MiB: server RSS {rss.baseline:.0f} -> {rss_peak:.0f} MB; "
+          f"honest longest gap {honest.max_gap * 1e3:.0f} ms")
+    # libzmq assembles a whole multipart message before the server sees its first frame (it caps
+    # frames, not messages): one or two such messages in flight are unavoidable. A copy of each
+    # into Python, as received before, doubles that and lets a backlog build.
+    message_mb = frames_per_message * len(frame) / 2**20
+    assert rss_peak - rss.baseline < 2 * message_mb + 32, f"server RSS grew {rss_peak - rss.baseline:.0f} MB"
