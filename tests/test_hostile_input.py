@@ -1,18 +1,17 @@
-"""Hostile peers against a live server, while a well-behaved client streams an epoch beside them.
+"""Hostile input against a live server, while a well-behaved client streams an epoch beside it:
+named malformed messages, a flood of Hellos and hypothesis-made frames.
 
 DESIGN.md promises (Safety, Liveness, Flow control): a malformed message gets an Error reply or is
 dropped and never takes the server down; a server drops dead and silent clients' sessions and
 their buffers, so its memory stays bounded; and none of this costs an honest client a batch. Each
 test here attacks a real ``fuelline serve`` process over loopback and then checks exactly that:
 the honest client's epoch is complete and exact, the server is alive and serves a newcomer, every
-answer to garbage is an ``Error`` with the code the garbage deserves, and its memory came back.
+answer to garbage is an ``Error`` with the code the garbage deserves, and memory stays bounded.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import re
 import threading
 import time
 from pathlib import Path
@@ -24,7 +23,6 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from fuelline.client import ServerDataStream
 from fuelline.protocol import (
     Batch,
     Bye,
@@ -37,119 +35,13 @@ from fuelline.protocol import (
     ProtocolVersionError,
     Welcome,
     decode,
-    encode,
 )
 from fuelline.server.sources.parquet import ParquetSource
 
+from support.hostile import REPLY_WAIT, HonestReader, Peer, assert_serves_a_newcomer, frames_of, with_header
 from support.processes import RssSampler, rss_mb
 
-ROWS = 8000  # train rows of the sample_dataset fixture, sample_id 0..7999
-REPLY_WAIT = 10.0  # seconds a hostile peer waits for its answer from a busy server on 2 cores
 MAX_INBOUND_BYTES = 1 << 20  # the server's ZMQ_MAXMSGSIZE: libzmq disconnects a peer over it
-
-
-def thread_count(pid: int) -> int:
-    """Threads of a process; each server session has one producer thread while it lives."""
-    return len(os.listdir(f"/proc/{pid}/task"))
-
-
-
-
-def frames_of(msg: Any) -> list[bytes]:
-    return [bytes(memoryview(f)) for f in encode(msg)]
-
-
-def with_header(frames: list[bytes], **changes: Any) -> list[bytes]:
-    """A valid message with header fields changed (``None`` as a value removes the field)."""
-    header = msgpack.unpackb(frames[0], raw=False)
-    for key, value in changes.items():
-        if value is None:
-            header.pop(key, None)
-        else:
-            header[key] = value
-    return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
-
-
-class Peer:
-    """A raw DEALER that sends whatever frames it is given and reads what comes back."""
-
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://{endpoint}")
-
-    def send(self, frames: list[Any]) -> None:
-        self.sock.send_multipart(frames)
-
-    def reply(self, timeout: float = REPLY_WAIT) -> Any:
-        """The next message, decoded; None if nothing came within ``timeout``."""
-        if not self.sock.poll(timeout * 1000):
-            return None
-        return decode(self.sock.recv_multipart(copy=False))
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-
-
-class HonestReader(threading.Thread):
-    """Reads one epoch of ``sample_id`` through ServerDataStream in the background.
-
-    It reads slowly while the attack runs and parks mid-epoch (batch ``park_at``) until the attack
-    is over, so the attack meets a session with batches in flight, not an idle server. receive_timeout
-    and timeout are set, so a server that hangs fails the test instead of hanging it.
-    """
-
-    def __init__(self, endpoint: str, attack_over: threading.Event, park_at: int = 100) -> None:
-        super().__init__(name="honest-reader", daemon=True)
-        self.endpoint = endpoint
-        self.attack_over = attack_over
-        self.park_at = park_at
-        self.started_streaming = threading.Event()
-        self.ids: list[np.ndarray] = []
-        self.batches = 0
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            with ServerDataStream(
-                ("sample_id",), endpoints=[self.endpoint], hwm=4, timeout=20.0, receive_timeout=20.0
-            ) as stream:
-                for (ids,) in stream.get_epoch_iterator():
-                    self.ids.append(ids)
-                    self.batches += 1
-                    self.started_streaming.set()
-                    if self.batches == self.park_at:
-                        self.attack_over.wait(60.0)  # the keep-alive thread heartbeats meanwhile
-                    elif not self.attack_over.is_set():
-                        time.sleep(0.01)
-        except BaseException as exc:  # handed to the test's thread, which asserts on it
-            self.error = exc
-        finally:
-            self.started_streaming.set()
-
-    def check_complete_epoch(self) -> None:
-        self.join(30.0)
-        assert not self.is_alive(), "the honest client did not finish its epoch in 30s after the attack"
-        assert self.error is None, f"the honest client failed: {self.error!r}"
-        ids = np.concatenate(self.ids)
-        assert len(ids) == ROWS and np.array_equal(np.sort(ids), np.arange(ROWS)), (
-            f"the honest client got {len(ids)} rows, {len(np.unique(ids))} distinct"
-        )
-
-
-def assert_serves_a_newcomer(ctx: zmq.Context, endpoint: str) -> None:
-    """The serving loop is alive: a fresh connection's Hello is welcomed and fed."""
-    peer = Peer(ctx, endpoint)
-    try:
-        peer.send(frames_of(Hello("newcomer", credit=1, heartbeat=5.0)))
-        welcome = peer.reply()
-        assert isinstance(welcome, Welcome), f"a newcomer's Hello got {welcome!r}"
-        batch = peer.reply()
-        while isinstance(batch, Heartbeat):  # a server still busy with the attack's leftovers
-            batch = peer.reply()
-        assert isinstance(batch, Batch) and batch.seq == 0, f"a welcomed newcomer got {batch!r}"
-    finally:
-        peer.close()
 
 
 # -- what each kind of garbage deserves ----------------------------------------------------------
@@ -298,15 +190,6 @@ def hello_flood(ctx: zmq.Context, endpoint: str, failures: list[str]) -> None:
             peer.close()
 
 
-STARTED = re.compile(r"client (\S+): rank")
-DROPPED = re.compile(r"client (\S+) dropped: (disconnected|silent|not reading|said bye|replaced)")
-
-
-def sessions_not_dropped(log: str) -> set[str]:
-    """Sessions the server's log shows welcomed and never dropped: what it still holds."""
-    return set(STARTED.findall(log)) - {name for name, _ in DROPPED.findall(log)}
-
-
 def in_thread(target: Callable[..., None], *args: Any) -> tuple[threading.Thread, list[str]]:
     """Run an attack in its own thread (with its own sockets); failures and crashes end up in a list."""
     failures: list[str] = []
@@ -429,80 +312,3 @@ def test_malformed_and_hostile_input_never_costs_the_honest_client_a_batch(
     print(f"\nfuzz answers: {answered}; server RSS {rss.baseline:.0f} MB before, {rss_peak:.0f} MB peak "
           f"(bound +{bound:.0f} MB), {rss_mb(server.proc.pid):.0f} MB after")
     assert rss_peak - rss.baseline < bound, f"server RSS peaked {rss_peak - rss.baseline:.0f} MB above its baseline"
-
-
-@pytest.mark.timeout(90)
-def test_connection_churn_leaves_no_sessions_and_no_memory_behind(
-    sample_dataset: Path, start_serve, zmq_context: zmq.Context
-) -> None:
-    heartbeat = 0.2
-    server = start_serve(sample_dataset, "--batch-size", "64", "--hwm", "4", "--heartbeat", str(heartbeat))
-    attack_over = threading.Event()
-    honest = HonestReader(server.endpoint, attack_over)
-    honest.start()
-    assert honest.started_streaming.wait(20.0) and honest.error is None, f"no first batch: {honest.error!r}"
-    rss = RssSampler(server.proc.pid)
-    threads_before = thread_count(server.proc.pid)  # the honest session's producer among them
-
-    # Mute clients: welcomed, then they say nothing, so only silence can end their sessions.
-    mute = [Peer(zmq_context, server.endpoint) for _ in range(20)]
-    try:
-        for i, peer in enumerate(mute):
-            peer.send(frames_of(Hello(f"mute-{i}", credit=0, heartbeat=heartbeat)))
-        assert all(isinstance(peer.reply(), Welcome) for peer in mute)
-
-        cycles, start = 0, time.monotonic()
-        try:
-            while cycles < 2000 and time.monotonic() - start < 20.0:
-                peer = Peer(zmq_context, server.endpoint)
-                peer.send(frames_of(Hello(f"churn-{cycles}", credit=cycles % 5, heartbeat=heartbeat)))
-                if cycles % 2:
-                    peer.reply(REPLY_WAIT)  # half wait for their Welcome, half leave at once
-                peer.close()
-                cycles += 1
-        finally:
-            attack_over.set()
-        churn_seconds = time.monotonic() - start
-        assert cycles == 2000, f"only {cycles} connect/disconnect cycles in {churn_seconds:.1f}s"
-
-        # Every welcomed session is dropped within 3 heartbeat intervals (plus a tick, and the time
-        # a busy 2-core box needs to get there): disconnected, or silent for the mute ones.
-        deadline = time.monotonic() + 3 * heartbeat + 5.0
-        while (stale := sessions_not_dropped(server.log())) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not stale, f"{len(stale)} sessions never dropped, e.g. {sorted(stale)[:5]}"
-        silent = [float(t) for t in re.findall(r"client mute-\d+#\w+ dropped: silent for ([\d.]+)s", server.log())]
-        assert len(silent) == len(mute), f"{len(silent)} of {len(mute)} mute clients dropped for silence"
-        # (The log rounds to 0.1 s: a drop after 0.6004 s reads "0.6".)
-        assert min(silent) >= round(3 * heartbeat, 1), f"a mute client was dropped before 3 intervals: {silent}"
-    finally:
-        for peer in mute:
-            peer.close()
-
-    honest.check_complete_epoch()
-    assert server.proc.poll() is None, f"the server died:\n{server.log()[-3000:]}"
-    assert_serves_a_newcomer(zmq_context, server.endpoint)
-    text = server.log()
-    reasons = [why for _, why in DROPPED.findall(text)]
-    assert reasons.count("disconnected") >= 1000, f"drops by reason: {sorted(set(reasons))}, {len(reasons)} in all"
-    assert "Traceback" not in text and " ERROR " not in text, text[-3000:]
-    # A dropped session's producer finishes the row groups it is decoding before it sees the stop,
-    # so after a burst the server works off a backlog for a few seconds; then all must be gone.
-    # The source's read-ahead pool starts its threads lazily (up to min(4, cores)) and keeps them,
-    # so it may have grown by that much; a leak would leave hundreds (one per session).
-    pool = min(4, os.cpu_count() or 1)
-    deadline = time.monotonic() + 20.0
-    while (threads := thread_count(server.proc.pid)) > threads_before + pool and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert threads <= threads_before + pool, f"{threads} server threads remain, {threads_before} before the churn"
-    rss_peak, rss_after = rss.stop(), rss_mb(server.proc.pid)
-    # +100 MB: every session's batches and blocks are freed when it is dropped; what may stay is
-    # allocator slack (glibc keeps per-thread arenas after ~1000 producer threads came and went)
-    # and libzmq's pipe pools. A leak of the sessions would not fit: ~1000 welcomed sessions ×
-    # (2 × hwm batches + memory_per_client, ~0.76 MB) is ~0.8 GB.
-    assert rss_after - rss.baseline < 100, f"server RSS grew {rss.baseline:.0f} -> {rss_after:.0f} MB"
-    print(
-        f"\nchurn: {cycles} cycles in {churn_seconds:.1f}s; {len(reasons)} sessions dropped "
-        f"({reasons.count('disconnected')} disconnected, {reasons.count('silent')} silent); "
-        f"server RSS {rss.baseline:.0f} MB before, {rss_peak:.0f} MB peak, {rss_after:.0f} MB after"
-    )
