@@ -38,6 +38,16 @@ def converted_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "data"
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A converted multimodal dataset for the remote-storage tests: 12 recordings of 10 s with
+    dropped and jittered samples, 30 % of them in val."""
+    root = tmp_path_factory.mktemp("remote-windows")
+    synthesize(str(root / "raw"), 12, 10.0, 5, video_dim=4, drop=0.01, jitter_ms=0.3)
+    convert(str(root / "raw"), str(root / "data"), val_fraction=0.3, seed=0, progress=False)
+    return root / "data"
+
+
 @pytest.fixture
 def servers(tmp_path: Path) -> Iterator[list[ServerProcess]]:
     """Every server process a test starts; all are stopped at teardown."""
