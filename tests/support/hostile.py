@@ -17,8 +17,8 @@ from fuelline.client import ServerDataStream
 from fuelline.protocol import Batch, Heartbeat, Hello, Welcome, decode, encode
 
 __all__ = [
-    "DROPPED", "REPLY_WAIT", "ROWS", "STARTED", "HonestReader", "Peer", "assert_serves_a_newcomer", "frames_of",
-    "sessions_not_dropped", "thread_count", "with_header",
+    "DROPPED", "REPLY_WAIT", "ROWS", "HonestReader", "Peer", "assert_serves_a_newcomer", "frames_of",
+    "thread_count", "with_header",
 ]
 
 ROWS = 8000  # train rows of the sample_dataset fixture, sample_id 0..7999
@@ -127,10 +127,6 @@ def assert_serves_a_newcomer(ctx: zmq.Context, endpoint: str) -> None:
         peer.close()
 
 
-STARTED = re.compile(r"client (\S+): rank")
 DROPPED = re.compile(r"client (\S+) dropped: (disconnected|silent|not reading|said bye|replaced)")
 
 
-def sessions_not_dropped(log: str) -> set[str]:
-    """Sessions the server's log shows welcomed and never dropped: what it still holds."""
-    return set(STARTED.findall(log)) - {name for name, _ in DROPPED.findall(log)}
