@@ -1,7 +1,7 @@
 """The ``fuelline`` command line.
 
 Subcommands, one module each: ``serve`` and ``sample`` (this package), ``stream`` (the client's,
-``fuelline.client.command``), ``synth`` and ``convert`` (``ingest``), ``inspect`` and ``keygen``.
+``fuelline.client.command``), ``synth`` and ``convert`` (``ingest``), ``inspect``, ``keygen`` and ``bench``.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # One module per command: each adds its parser and sets the function that runs it.
     from fuelline.client import command as stream
-    from fuelline.server.cli import ingest, inspect, keygen, sample, serve
+    from fuelline.server.cli import bench, ingest, inspect, keygen, sample, serve
 
-    for command in (serve, sample, stream, ingest, inspect, keygen):
+    for command in (serve, sample, stream, ingest, inspect, keygen, bench):
         command.register(sub)
     # The logging options also after the subcommand (``fuelline serve DATA --log-format json``),
     # where unit files and manifests put every option.
