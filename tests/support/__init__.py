@@ -1,4 +1,12 @@
-"""What the tests share: server processes with a readiness handshake and deadlines, fakes of
-unit sources, fault injection (a TCP proxy, seeded schedules), an S3 server on loopback, a raw
-protocol client, metrics scraping and torchrun launches. Tests import ``support.x`` (tests/ is
-on the path, as for conftest); fixtures live in conftest.py."""
+"""What the tests share. Tests import ``support.x`` (tests/ is on the path, as for conftest);
+fixtures live in conftest.py.
+
+- ``processes``: server processes with a readiness handshake and deadlines, RSS, waiting with a deadline
+- ``workers``, ``worker_processes``: fakes of unit sources, worker pools
+- ``fault_plan``, ``fault_schedule``, ``tcp_proxy``: seeded fault schedules through a TCP proxy
+- ``s3``, ``storage``: an S3 server on loopback, remote datasets
+- ``raw_client``, ``wire_edits``, ``hostile``, ``admission``: clients that speak the protocol by hand
+- ``metrics``: scraping a server's Prometheus endpoint
+- ``trainer``, ``onebit``: torchrun launches, process groups for the 1-bit hook
+- ``deploy``: the deploy files' command lines, read as a shell would
+"""
