@@ -18,6 +18,14 @@ memory, one slot per worker, which each worker advances as it starts an epoch. P
 and the main process with ``num_workers=0``, use the same slots. ``set_epoch(e)`` sets them all,
 as ``DistributedSampler.set_epoch`` does: the next iterator serves epoch e.
 
+Devices. ``device=`` and ``pin_memory=`` (as ``ServerDataStream``'s) place batches in the process
+that iterates the dataset, which with ``num_workers > 0`` is a worker: CUDA there would be a CUDA
+context per worker, and pinned memory does not survive the trip to the main process. So they are
+refused in a worker; with workers, leave them unset, pass ``pin_memory=True`` to the DataLoader
+(which pins in the main process) and move each batch with ``.to(device, non_blocking=True)`` in
+the loop. With ``num_workers=0``, ``device="cuda"`` hands over batches already on the GPU (then
+the DataLoader's own ``pin_memory`` must stay False: it pins CPU tensors only).
+
 Checkpoints. ``state_dict()`` is the position of this process's newest iterator (in a worker, in
 its own run); ``load_state_dict()`` makes the next iterator continue it. StatefulDataLoader saves
 and restores it in each worker, so a resumed epoch is every remaining row once.
@@ -69,11 +77,13 @@ class ServerDataset(IterableDataset):
     A ``context`` given is not carried into other processes.
 
     Args:
-        sources, *args, **kwargs: as ``ServerDataStream``.
+        sources, *args, **kwargs: as ``ServerDataStream``, ``device`` and ``pin_memory`` included
+            (with ``num_workers=0`` only: see the module's docstring).
         as_dict: yield dicts by source name instead of tuples in ``sources`` order.
 
     Raises:
-        ValueError, TypeError: arguments ``ServerDataStream`` refuses.
+        ValueError, TypeError: arguments ``ServerDataStream`` refuses; ``device`` or
+            ``pin_memory`` in a DataLoader worker (when it iterates).
     """
 
     def __init__(self, sources: Sequence[str] | None = None, *args: Any, as_dict: bool = False, **kwargs: Any) -> None:
@@ -104,6 +114,13 @@ class ServerDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         worker, workers = _worker()
+        device, pin_memory = self._config.get("device"), self._config.get("pin_memory")
+        if worker is not None and (device is not None or pin_memory):
+            raise ValueError(
+                f"ServerDataset(device={device!r}, pin_memory={pin_memory!r}) places batches in the process that "
+                f"iterates it, here DataLoader worker {worker} of num_workers={workers}: use num_workers=0, or "
+                "leave device and pin_memory unset, pass pin_memory=True to the DataLoader and move each batch "
+                "with .to(device, non_blocking=True) in the loop")
         if self._resume is not None:
             (epoch, done), self._resume = self._resume, None
         else:

@@ -18,6 +18,7 @@ from fuelline.client.checkpoint import (
 )
 from fuelline.client.connection import Connection, Item
 from fuelline.client.curve import CurveKeys
+from fuelline.client.device import device_placement
 from fuelline.client.signature import stream_arguments
 from fuelline.protocol import (
     DEFAULT_LIMITS,
@@ -76,6 +77,9 @@ class ServerDataStream:
         receive_timeout: if set, raise ``ReceiveTimeout`` when a live server delivers no batch for
             this many seconds (a stuck source); None waits as long as the server is alive.
         tensors: yield torch tensors (zero-copy) instead of numpy arrays.
+        device, pin_memory: yield torch tensors on this device (``"cuda"``, ``"cpu"``...), copied
+            through pinned host memory on a side CUDA stream while the caller trains on the batch
+            before: see ``fuelline.client.device``. ValueError where this host cannot do either.
         verify: check every array against its checksum.
         client_id: a stable name for this client in the server's logs; random by default.
         curve_keys: for a server that uses CURVE (``fuelline serve --curve-keys``): a directory
@@ -114,6 +118,8 @@ class ServerDataStream:
         heartbeat: float = 1.0,
         receive_timeout: float | None = None,
         tensors: bool = False,
+        device: Any = None,
+        pin_memory: bool = False,
         verify: bool = True,
         client_id: str | None = None,
         limits: Limits = DEFAULT_LIMITS,
@@ -183,8 +189,9 @@ class ServerDataStream:
         self._current: object | None = None  # token of the newest epoch iterator
         self._closed = False
         self._saved_fingerprint: dict[str, str] | None = None  # of a loaded state, for connections to come
-        if tensors:
-            import torch  # noqa: F401  (fail now, not at the first batch, if it is missing)
+        self.placement = device_placement(device, pin_memory, tensors)  # (checked now, not at the first batch)
+        self.device = None if device is None or self.placement is None else self.placement.device
+        self.pin_memory = pin_memory
 
     # -- Fuel's interface ----------------------------------------------------------------------
     @property
@@ -339,11 +346,13 @@ class ServerDataStream:
             self._checked = True
         return welcomes[0]
 
-    def _next(self, conn: Connection) -> Item:
+    def _next(self, conn: Connection, wait: bool = True) -> Item | None:
         started = time.monotonic()
         while True:
-            item = conn.take(0.25)
+            item = conn.take(0.25 if wait else 0.0)
             if item is None:
+                if not wait:
+                    return None
                 if self.receive_timeout is not None and time.monotonic() - started > self.receive_timeout:
                     raise ReceiveTimeout(f"no batch from {conn.endpoint} in {self.receive_timeout:.1f}s")
                 continue
@@ -351,20 +360,21 @@ class ServerDataStream:
                 return item
             # An item of a stream left behind by a seek: drop it.
 
-    def _take(self) -> tuple[Connection, Item]:
-        """The next item: batch k of an epoch comes from server k mod E, so the order is fixed
-        whichever server is faster. An epoch ends when every server has ended it, together."""
+    def _take(self, cursor: int, wait: bool = True) -> tuple[Connection, Item | None]:
+        """Item ``cursor`` of the epoch (None if not ``wait``ed for and not there): batch k comes from
+        server k mod E, fixing the order. An epoch ends when every server has ended it, together."""
         conns = self._connections()
         if len(conns) > 1 and not self._checked:
             self._welcome()
-        turn = self._cursor % len(conns)
+        turn = cursor % len(conns)
         conn = conns[turn]
-        item = self._next(conn)
-        if item.kind == "end" and len(conns) > 1:
+        item = self._next(conn, wait)
+        if item is not None and item.kind == "end" and len(conns) > 1:
             for e, other in enumerate(conns):
                 if e == turn:
                     continue
                 theirs = self._next(other)
+                assert theirs is not None  # (waited for)
                 if turn != 0 or theirs.kind != "end" or theirs.epoch != item.epoch:
                     raise ProtocolError(
                         f"servers {list(self.endpoints)} disagree on where epoch {item.epoch} ends: "
@@ -373,28 +383,38 @@ class ServerDataStream:
                     )
         return conn, item
 
-    def _convert(self, arrays: dict, as_dict: bool) -> Any:
-        if self.tensors:
-            import torch
-
-            arrays = {k: torch.from_numpy(v) for k, v in arrays.items()}
-        # The server sends a batch's arrays in the order of this client's sources (its Welcome).
-        return dict(arrays) if as_dict else tuple(arrays.values())
+    def _receive(self, cursor: int, wait: bool = True) -> tuple[Item, Any] | None:
+        """Item ``cursor`` of the epoch, taken from its server (its credit given back) with its
+        arrays, or their placement under way; None if ``wait`` is False and it has not arrived."""
+        conn, item = self._take(cursor, wait)
+        if item is None:
+            return None
+        if item.kind == "end":
+            self._pos = (item.epoch + 1, 0, ())
+            return item, None
+        self._pos = (item.epoch, cursor + 1, self._history)
+        conn.credit(item.stream)
+        assert item.arrays is not None  # (a batch always has them; an end has none)
+        placement = self.placement
+        return item, item.arrays if placement is None else placement.stage(item.arrays, cursor > self._cursor)
 
     def _iterate(self, token: object, as_dict: bool) -> Iterator[Any]:
+        # With a device, the next item is taken before this one is handed over where it has arrived,
+        # so that its copy runs while the caller works; it counts once handed over.
+        ahead: tuple[Item, Any] | None = None
         while self._current is token:  # an iterator replaced by a newer one stops
-            conn, item = self._take()
+            received = ahead or self._receive(self._cursor)
+            assert received is not None  # (waited for)
+            item, arrays = received
             if item.kind == "end":
                 self._epoch, self._cursor, self._history = item.epoch + 1, 0, ()
-                self._pos = (self._epoch, 0, ())
                 if self._active is token:
                     self._active = None
                 return
+            ahead = self._receive(self._cursor + 1, wait=False) if self.placement and self.placement.ahead else None
             self._cursor += 1
             self._epoch = item.epoch
-            self._pos = (item.epoch, self._cursor, self._history)
             self._active = token
-            conn.credit(item.stream)
-            assert item.arrays is not None  # (a batch always has them; an end has none)
-            yield self._convert(item.arrays, as_dict)
-
+            batch = arrays if self.placement is None else self.placement.hand_over(arrays)
+            # The server sends a batch's arrays in the order of this client's sources (its Welcome).
+            yield dict(batch) if as_dict else tuple(batch.values())
