@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -20,13 +19,8 @@ from fuelline.client.connection import Connection, Item
 from fuelline.client.curve import CurveKeys
 from fuelline.client.device import device_placement
 from fuelline.client.signature import stream_arguments
-from fuelline.protocol import (
-    DEFAULT_LIMITS,
-    Hello,
-    Limits,
-    ProtocolError,
-    ReceiveTimeout,
-)
+from fuelline.client.turns import take_in_turn
+from fuelline.protocol import DEFAULT_LIMITS, Hello, Limits
 from fuelline.protocol.common.endpoints import tcp_endpoint
 
 __all__ = ["ServerDataStream"]
@@ -158,7 +152,7 @@ class ServerDataStream:
         self._requested = tuple(sources) if sources is not None else None
         # Reading E servers, this reader is E ranks of a world E times as large, one per server:
         # rank r reads ranks r·E … r·E+E-1, the same contiguous span of each epoch a single server
-        # would give it, and takes their batches in turn (see ``_take``).
+        # would give it, and takes their batches in turn (``fuelline.client.turns``).
         client_id = client_id or uuid.uuid4().hex
         n = len(self.endpoints)
         self._hellos = [
@@ -346,42 +340,11 @@ class ServerDataStream:
             self._checked = True
         return welcomes[0]
 
-    def _next(self, conn: Connection, wait: bool = True) -> Item | None:
-        started = time.monotonic()
-        while True:
-            item = conn.take(0.25 if wait else 0.0)
-            if item is None:
-                if not wait:
-                    return None
-                if self.receive_timeout is not None and time.monotonic() - started > self.receive_timeout:
-                    raise ReceiveTimeout(f"no batch from {conn.endpoint} in {self.receive_timeout:.1f}s")
-                continue
-            if item.stream == self._stream:
-                return item
-            # An item of a stream left behind by a seek: drop it.
-
     def _take(self, cursor: int, wait: bool = True) -> tuple[Connection, Item | None]:
-        """Item ``cursor`` of the epoch (None if not ``wait``ed for and not there): batch k comes from
-        server k mod E, fixing the order. An epoch ends when every server has ended it, together."""
         conns = self._connections()
         if len(conns) > 1 and not self._checked:
             self._welcome()
-        turn = cursor % len(conns)
-        conn = conns[turn]
-        item = self._next(conn, wait)
-        if item is not None and item.kind == "end" and len(conns) > 1:
-            for e, other in enumerate(conns):
-                if e == turn:
-                    continue
-                theirs = self._next(other)
-                assert theirs is not None  # (waited for)
-                if turn != 0 or theirs.kind != "end" or theirs.epoch != item.epoch:
-                    raise ProtocolError(
-                        f"servers {list(self.endpoints)} disagree on where epoch {item.epoch} ends: "
-                        f"{conn.endpoint} ended it after {item.seq} batches, {other.endpoint} sent "
-                        f"{'its end' if theirs.kind == 'end' else 'batch %d' % theirs.seq} next"
-                    )
-        return conn, item
+        return take_in_turn(conns, cursor, self._stream, self.receive_timeout, wait)
 
     def _receive(self, cursor: int, wait: bool = True) -> tuple[Item, Any] | None:
         """Item ``cursor`` of the epoch, taken from its server (its credit given back) with its
