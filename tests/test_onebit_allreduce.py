@@ -89,10 +89,10 @@ def _error_feedback_worker(rank: int, world_size: int, rounds: int) -> dict[str,
         sent += grad
         received += onebit_allreduce(state, grad, key="g").wait()
     dist.all_reduce(sent)
-    worker = state.worker_errors["g"].double()
+    worker = state.send_errors["g"].double()
     dist.all_reduce(worker)
-    server = [torch.empty_like(state.server_errors["g"]) for _ in range(world_size)]
-    dist.all_gather(server, state.server_errors["g"])
+    server = [torch.empty_like(state.reduce_errors["g"]) for _ in range(world_size)]
+    dist.all_gather(server, state.reduce_errors["g"])
     expected = (sent - worker) / world_size - torch.cat(server)[:n].double()
     results["residual"] = float((received - expected).abs().max() / expected.abs().max())
     return results
@@ -135,7 +135,7 @@ def _replica_worker(rank: int, world_size: int, bucket_view: bool) -> dict[str, 
         _assert_replicas_identical(model, world_size, step)
     return {
         "iter": state.iter,
-        "buckets": len(state.worker_errors),
+        "buckets": len(state.send_errors),
         "ratio": state.compression_ratio,
     }
 

@@ -107,8 +107,8 @@ def test_error_buffers_saved_per_parameter_land_where_a_rebuilt_bucket_puts_them
     state, _ = _named_state()
     key = ("0.weight", "0.bias", "1.weight", "1.bias")
     state.layouts[key] = (("0.weight", 6), ("0.bias", 2), ("1.weight", 4), ("1.bias", 2))
-    state.worker_errors[key] = torch.arange(14, dtype=torch.float32)
-    state.server_errors[key] = torch.arange(100, 108, dtype=torch.float32)  # rank 0 owns positions 0..7
+    state.send_errors[key] = torch.arange(14, dtype=torch.float32)
+    state.reduce_errors[key] = torch.arange(100, 108, dtype=torch.float32)  # rank 0 owns positions 0..7
     state.iter = 7
     saved = plain(state.state_dict())
     assert plain(saved) is saved  # plain data only: a weights_only checkpoint holds it
@@ -120,16 +120,16 @@ def test_error_buffers_saved_per_parameter_land_where_a_rebuilt_bucket_puts_them
     first, second = ("0.weight", "0.bias"), ("1.weight", "1.bias")
     fresh.layouts[first] = (("0.weight", 6), ("0.bias", 2))
     fresh.layouts[second] = (("1.weight", 4), ("1.bias", 2))
-    assert fresh.error_buffer(fresh.worker_errors, second, torch.zeros(6)).tolist() == list(range(8, 14))
-    assert fresh.error_buffer(fresh.worker_errors, first, torch.zeros(8)).tolist() == list(range(8))
+    assert fresh.error_buffer(fresh.send_errors, second, torch.zeros(6)).tolist() == list(range(8, 14))
+    assert fresh.error_buffer(fresh.send_errors, first, torch.zeros(8)).tolist() == list(range(8))
     # Rank 0's server chunk of the second bucket (4 elements from position 0): 1.weight's part was
     # never this rank's to own, so it starts from zero.
-    assert fresh.error_buffer(fresh.server_errors, second, torch.zeros(4)).tolist() == [0.0] * 4
-    assert fresh.error_buffer(fresh.server_errors, first, torch.zeros(4)).tolist() == [100.0, 101.0, 102.0, 103.0]
+    assert fresh.error_buffer(fresh.reduce_errors, second, torch.zeros(4)).tolist() == [0.0] * 4
+    assert fresh.error_buffer(fresh.reduce_errors, first, torch.zeros(4)).tolist() == [100.0, 101.0, 102.0, 103.0]
 
     # Another world size: the warm-up stays done, the per-rank buffers do not apply.
     other, _ = _named_state()
     other.load_state_dict(saved, buffers=False)
     assert other.iter == 7
     other.layouts[key] = state.layouts[key]
-    assert not other.error_buffer(other.worker_errors, key, torch.zeros(14)).any()
+    assert not other.error_buffer(other.send_errors, key, torch.zeros(14)).any()

@@ -10,12 +10,12 @@ Design note "two-phase 1-bit exchange". A ring all-reduce of fp32 gradients send
 is not enough, because the partial sums a ring forwards are not 1-bit values. So the exchange is
 a reduce-scatter and an all-gather, each carrying 1-bit data, as in 1-bit Adam (Tang et al., 2021):
 
-1. Every rank adds its worker error to its bucket (error feedback), pads it to ``W`` equal
+1. Every rank adds its send error to its bucket (error feedback), pads it to ``W`` equal
    chunks and compresses each chunk (:mod:`fuelline.trainer.bitpack`: signs 8 per byte, one fp32
-   scale per block). The worker error becomes ``input - decompressed``.
+   scale per block). The send error becomes ``input - decompressed``.
 2. Phase 1, ``all_to_all_single``: rank ``r`` receives the ``W`` compressed versions of chunk ``r``.
-   It averages them, adds its server error for that chunk, compresses the result again and keeps
-   ``average - decompressed`` as the new server error.
+   It averages them, adds its reduce error for that chunk, compresses the result again and keeps
+   ``average - decompressed`` as the new reduce error.
 3. Phase 2, ``all_gather``: every rank receives every owned chunk, already averaged, and
    decompresses all of them. Every rank decodes the same bytes with the same operations, so the
    averaged gradients, and hence the parameters, are bit-identical on all ranks.
@@ -110,8 +110,8 @@ class OneBitState(NamedErrors):
         "error_feedback",
         # The fields below are internal state.
         "iter",
-        "worker_errors",
-        "server_errors",
+        "send_errors",
+        "reduce_errors",
         "local_gradients",
         "payload",
         "places",
@@ -145,8 +145,8 @@ class OneBitState(NamedErrors):
         # in fuelline.trainer.onebit_layout), by bucket index without names, or by a caller's
         # key; a buffer whose size no longer matches is replaced by zeros, never reused for a
         # different tensor.
-        self.worker_errors: dict[Hashable, torch.Tensor] = {}
-        self.server_errors: dict[Hashable, torch.Tensor] = {}
+        self.send_errors: dict[Hashable, torch.Tensor] = {}
+        self.reduce_errors: dict[Hashable, torch.Tensor] = {}
         # Set by a compressed-momentum optimizer once warm: momentum_hook then leaves gradients
         # local, because the optimizer exchanges its compressed momentum instead.
         self.local_gradients = False
@@ -282,13 +282,13 @@ def onebit_allreduce(
     corrected = torch.zeros(world_size * chunk_len, dtype=torch.float32, device=device)
     corrected[:n] = tensor.reshape(-1) if order is None else tensor.reshape(-1)[order]
     if state.error_feedback:
-        corrected[:n] += state.error_buffer(state.worker_errors, key, corrected[:n])
+        corrected[:n] += state.error_buffer(state.send_errors, key, corrected[:n])
     lengths = (n - torch.arange(world_size, device=device) * chunk_len).clamp(0, chunk_len)
     counts = block_counts(lengths, chunk_len, block_size)
     packed, scales = compress_rows(corrected.view(world_size, chunk_len), block_size, counts)
     if state.error_feedback:
         decoded = decompress_rows(packed, scales, chunk_len, block_size).view(-1)
-        state.worker_errors[key].copy_(corrected[:n] - decoded[:n])
+        state.send_errors[key].copy_(corrected[:n] - decoded[:n])
 
     # One message per destination: its chunk's sign bytes followed by the bytes of its scales.
     send = torch.cat([packed, scales.view(torch.uint8)], dim=1)
@@ -309,16 +309,16 @@ def onebit_allreduce(
     )
     own_len = int(lengths[rank])
     average = versions.sum(dim=0).div_(world_size)
-    # Padding decodes to ±scale; zero it so it neither enters the scales nor the server error.
+    # Padding decodes to ±scale; zero it so it neither enters the scales nor the reduce error.
     average[own_len:] = 0
     if state.error_feedback:
-        average += state.error_buffer(state.server_errors, key, average, start=rank * chunk_len)
+        average += state.error_buffer(state.reduce_errors, key, average, start=rank * chunk_len)
     own_counts = counts[rank : rank + 1]
     own_packed, own_scales = compress_rows(average.view(1, chunk_len), block_size, own_counts)
     if state.error_feedback:
         decoded_own = decompress_rows(own_packed, own_scales, chunk_len, block_size).view(-1)
         decoded_own[own_len:] = 0
-        state.server_errors[key].copy_(average - decoded_own)
+        state.reduce_errors[key].copy_(average - decoded_own)
 
     own_message = torch.cat([own_packed, own_scales.view(torch.uint8)], dim=1).view(-1)
     gathered = torch.empty(world_size * message_bytes, dtype=torch.uint8, device=device)

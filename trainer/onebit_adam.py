@@ -14,7 +14,7 @@ The arrangement keeps each piece where DDP and ``torch.optim`` expect it:
   nothing and hands DDP the local gradients.
 * From then on :meth:`OneBitAdam.step` updates each rank's momentum with its local gradient,
   averages the momentum with :func:`fuelline.trainer.onebit.onebit_allreduce` (two-phase 1-bit
-  exchange, worker and server error feedback under one fixed key, so DDP's bucket rebuilds do not
+  exchange, send and reduce error feedback under one fixed key, so DDP's bucket rebuilds do not
   matter) and applies Adam's update with the frozen variance.
 
 The warm-up, the phase switch and the exchange are those of every compressed-momentum optimizer

@@ -10,7 +10,7 @@ whatever order DDP put them in. A checkpoint splits the buffers up per parameter
 (:func:`errors_state`), and a resumed run puts each parameter's part back wherever its new
 bucket places it (:func:`restore_into`); parts no bucket asks for are dropped.
 
-The worker error covers a whole bucket; the server error only the chunk this rank owns
+The send error covers a whole bucket; the reduce error only the chunk this rank owns
 (``[rank * chunk, (rank + 1) * chunk)`` of the canonical layout), so per parameter it is a slice,
 saved with its offset. It is per rank: it applies only at the same rank of the same world size.
 """
@@ -63,7 +63,9 @@ def errors_state(
 ) -> dict[str, Any]:
     """The buffers as plain data: per parameter for named layouts, as they are for string keys
     (a caller's own fixed-layout vector, e.g. 1-bit Adam's momentum). Bucket-index keys are left
-    out: they mean nothing to another DDP."""
+    out: they mean nothing to another DDP. ``worker`` are the send errors and ``server`` the
+    reduce errors; a checkpoint keeps the 1-bit Adam paper's names for them, so saved states load
+    across versions."""
     per_worker: dict[str, torch.Tensor] = {}
     per_server: dict[str, list[Any]] = {}
     keyed: dict[str, dict[str, torch.Tensor]] = {}
@@ -131,7 +133,7 @@ class NamedErrors:
         """Counters, iteration count and error buffers, for a checkpoint, as plain data.
 
         The buffers are saved per parameter name (buckets keyed by index are left out), the
-        server errors with this rank's place: they apply to a resume at the same world size.
+        reduce errors with this rank's place: they apply to a resume at the same world size.
         """
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         world = self.world_size if dist.is_initialized() else 1
@@ -141,7 +143,7 @@ class NamedErrors:
             "iter": self.iter,
             "rank": rank,
             "world_size": world,
-            "errors": errors_state(self.worker_errors, self.server_errors, self.layouts, rank),
+            "errors": errors_state(self.send_errors, self.reduce_errors, self.layouts, rank),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], buffers: bool = True) -> None:
@@ -156,15 +158,15 @@ class NamedErrors:
         self.bytes_sent = int(state_dict["bytes_sent"])
         self.elements = int(state_dict["elements"])
         self.iter = int(state_dict.get("iter", 0))
-        self.worker_errors.clear()
-        self.server_errors.clear()
+        self.send_errors.clear()
+        self.reduce_errors.clear()
         errors = state_dict.get("errors")
         self.restored = {}
         if buffers and errors:
             self.restored = {kind: dict(errors[kind]) for kind in ("worker", "server", "keyed")}
 
     def _restore(self, errors: dict[Hashable, torch.Tensor], key: Hashable, buffer: torch.Tensor, start: int) -> None:
-        kind = "server" if errors is self.server_errors else "worker"
+        kind = "server" if errors is self.reduce_errors else "worker"
         saved = self.restored["keyed"].get(key, {}).pop(kind, None) if isinstance(key, str) else None
         if saved is not None and saved.numel() == buffer.numel():
             buffer.copy_(saved.view_as(buffer))

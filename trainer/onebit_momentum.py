@@ -14,7 +14,7 @@ units of one step's update, where error feedback owes it only once.
   fp32 all-reduce (the first, largest and least regular gradients, where compression hurts most);
 * from then on the hook communicates nothing and hands DDP the local gradients, and the
   optimizer averages one flat vector per step with
-  :func:`fuelline.trainer.onebit.onebit_allreduce` (two-phase 1-bit exchange, worker and server
+  :func:`fuelline.trainer.onebit.onebit_allreduce` (two-phase 1-bit exchange, send and reduce
   error feedback) under one fixed key, so DDP's bucket rebuilds do not matter and the error
   buffers are saved and restored with the hook's state;
 * its step count in the optimizer's state dict, so a resumed run does not warm up again.
@@ -147,7 +147,7 @@ class CompressedMomentum(torch.optim.Optimizer):
         state = self.onebit_state
         onebit_allreduce(state, flat, key=self.exchange_key).wait()
         if self.error_decay != 1.0:
-            for errors in (state.worker_errors, state.server_errors):
+            for errors in (state.send_errors, state.reduce_errors):
                 buffer = errors.get(self.exchange_key)
                 if buffer is not None:
                     buffer.mul_(self.error_decay)

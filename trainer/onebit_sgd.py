@@ -14,7 +14,7 @@ the momentum, that is compressed, so the error owed stays right when the learnin
 Design note "decaying error feedback". The 1-bit format sends each element's sign and one scale
 per block of 1024, the block's mean magnitude. An element larger than its block's mean is
 delivered a mean's worth a step and error feedback owes it the rest, so the error owed grows
-until the block's mean reaches its largest element: measured, the worker error settled at 10 to
+until the block's mean reaches its largest element: measured, the send error settled at 10 to
 30 times the norm of the update it rides on, the decoded update was mostly a dither of that
 magnitude, and training fell apart late (on two ranks as on four). The buffers therefore decay
 (``error_decay``, 0.5: halved every step), which bounds what is owed at about one step's error.
