@@ -6,6 +6,8 @@ argument. The CUDA path itself runs on a GPU host only."""
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from fuelline.client.device import BUFFERS_PER_KEY  # noqa: E402
 
 from support.processes import wait_until  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 20.0
 SOURCES = ("sample_id", "features", "label")
 CUDA = torch.cuda.is_available()
@@ -149,6 +152,15 @@ def test_a_dataset_with_a_device_refuses_dataloader_workers(sample_dataset: Path
         next(iter(loader))
 
 
+@pytest.mark.skipif(CUDA, reason="this host has CUDA")
+def test_the_benchmark_refuses_a_host_without_cuda() -> None:
+    done = subprocess.run([sys.executable, "-m", "benchmarks.device_prefetch", "--rounds", "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "device_prefetch needs a CUDA GPU: torch.cuda.is_available() is False on this host" in done.stderr
+    assert "run it on a GPU host" in done.stderr
+
+
 # -- on a GPU host -----------------------------------------------------------------------------------
 @needs_cuda
 @pytest.mark.parametrize("pin_memory", [False, True])
@@ -193,6 +205,7 @@ def test_a_training_step_uses_cuda_batches_at_once(sample_dataset: Path, start_s
     model = torch.nn.Linear(8, 6).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     side = torch.cuda.Stream()  # the caller's own current stream: the hand-over must wait on it too
+    side.wait_stream(torch.cuda.current_stream())  # (the model's parameters were made on the default one)
     with ServerDataStream(SOURCES, endpoints=[server.endpoint], device="cuda", pin_memory=True,
                           timeout=TIMEOUT) as stream, torch.cuda.stream(side):
         sums, losses = [], []
