@@ -179,6 +179,10 @@ class DevicePlacement:
             t.record_stream(current)
         return staged.tensors
 
+    def release(self) -> None:
+        """Free the pinned buffers (the stream is closed): pinned memory is scarce, the host's own."""
+        self._pool.clear()
+
     # -- the pinned pool (CUDA only) ---------------------------------------------------------------
     def _pinned(self, name: str, src: torch.Tensor) -> torch.Tensor:
         """A pinned buffer of ``src``'s shape and dtype holding a copy of it: a free one of the pool,

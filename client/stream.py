@@ -280,11 +280,13 @@ class ServerDataStream:
 
     # -- lifecycle -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Tell the servers goodbye and free the sockets and threads."""
+        """Tell the servers goodbye and free the sockets, threads and pinned buffers."""
         self._closed = True
         for conn in self._conns:
             conn.close()
         self._conns = []
+        if self.placement is not None:
+            self.placement.release()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The rank and world size as they are now, whatever RANK / WORLD_SIZE say where it is loaded.

@@ -83,6 +83,28 @@ def test_a_batch_taken_ahead_is_not_counted_in_the_position(sample_dataset: Path
     assert taken + rest == expected
 
 
+def test_two_servers_in_turn_give_the_same_batches_and_positions_with_a_device(sample_dataset: Path,
+                                                                                 start_serve) -> None:
+    endpoints = [start_serve(sample_dataset, "--batch-size", "100").endpoint for _ in range(2)]
+
+    def read(**options) -> tuple[list[list[tuple[int, ...]]], list[dict]]:
+        with ServerDataStream(SOURCES, endpoints=endpoints, hwm=4, timeout=TIMEOUT, **options) as stream:
+            epochs, states = [], []
+            for _ in range(2):  # the end of the first epoch is taken ahead, from both servers
+                epoch = []
+                for batch in stream.get_epoch_iterator():
+                    epoch.append(ids(batch))
+                    if len(epoch) == 7:
+                        states.append(stream.state_dict())
+                epochs.append(epoch)
+                states.append(stream.state_dict())
+            if options:
+                assert stream.placement is not None and stream.placement.staged_ahead > 0
+            return epochs, states
+
+    assert read(device="cpu") == read()
+
+
 def test_a_pickled_stream_keeps_its_device_and_its_position(sample_dataset: Path, start_serve) -> None:
     server = start_serve(sample_dataset, "--batch-size", "100")
     expected = [ids(b) for b in numpy_epochs(server.endpoint, 1)[0]]
