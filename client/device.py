@@ -80,7 +80,8 @@ def device_placement(device: Any, pin_memory: bool, tensors: bool = False) -> De
                 f"device={device!r}: CUDA is not available on this host (torch.cuda.is_available() is False; "
                 f"torch {torch.__version__}); pass device='cpu' or None, or run on a host with a CUDA GPU")
         if target.index is not None and target.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r}: this host has {torch.cuda.device_count()} CUDA device(s)")
+            raise ValueError(f"device={device!r}: this host has {torch.cuda.device_count()} CUDA device(s); "
+                             "pass 'cuda' (the current one) or an index below that")
     elif target.type != "cpu":
         raise ValueError(f"device={device!r}: only 'cpu' and CUDA devices are supported")
     if pin_memory and not torch.cuda.is_available():
@@ -102,7 +103,7 @@ def _parse(device: Any) -> torch.device:
     if not isinstance(device, (str, int)) or isinstance(device, bool):
         raise ValueError(f"device must be a device string, a torch.device or a CUDA index, got {device!r}")
     try:
-        return torch.device(device)
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     except (RuntimeError, ValueError) as exc:
         raise ValueError(f"device={device!r} is not a torch device ({exc})") from None
 

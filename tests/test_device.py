@@ -126,10 +126,10 @@ def test_a_pickled_stream_keeps_its_device_and_its_position(sample_dataset: Path
 
 
 @pytest.mark.skipif(CUDA, reason="this host has CUDA")
-@pytest.mark.parametrize("device", ["cuda", "cuda:0", "torch.device('cuda', 1)"])
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "torch.device('cuda', 1)", "0"])
 def test_a_cuda_device_is_refused_where_there_is_no_cuda(device: str) -> None:
-    value = eval(device) if device.startswith("torch") else device  # (a fixed list: no input)
-    with pytest.raises(ValueError, match=r"device=.*cuda.*CUDA is not available on this host.*device='cpu'"):
+    value = eval(device) if device.startswith("torch") or device.isdigit() else device  # (a fixed list: no input)
+    with pytest.raises(ValueError, match=r"device=.*: CUDA is not available on this host.*pass device='cpu'"):
         ServerDataStream(SOURCES, endpoints=["127.0.0.1:9"], device=value)
     with pytest.raises(ValueError, match=r"device=.*CUDA is not available"):
         ServerDataset(SOURCES, endpoints=["127.0.0.1:9"], device=value)
@@ -140,6 +140,7 @@ def test_a_cuda_device_is_refused_where_there_is_no_cuda(device: str) -> None:
     ("cuda:x", r"device='cuda:x' is not a torch device"),
     (2.5, r"device must be a device string, a torch.device or a CUDA index, got 2.5"),
     ("meta", r"device='meta': only 'cpu' and CUDA devices are supported"),
+    (-1, r"device=-1 is not a torch device"),
 ])
 def test_a_device_that_is_not_one_is_refused_naming_the_argument(device: object, says: str) -> None:
     with pytest.raises(ValueError, match=says):
