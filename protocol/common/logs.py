@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-__all__ = ["LOG_FORMATS", "configure_logging", "JsonFormatter"]
+__all__ = ["LOG_FORMATS", "configure_logging", "JsonFormatter", "StderrHandler"]
 
 LOG_FORMATS = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -35,10 +35,27 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is written, not when the handler was made:
+    a process that swaps its stderr (a test runner capturing output, a notebook, a command run
+    in-process) never has a thread log into a stream that was closed meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # (StreamHandler sets it; the property always reads sys.stderr)
+        pass
+
+
 def configure_logging(level: str | int = "INFO", fmt: str = "text") -> None:
     """Send log records to stderr as text lines or JSON lines (replacing earlier handlers)."""
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
-    handler = logging.StreamHandler(sys.stderr)
+    handler = StderrHandler()
     handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
     logging.basicConfig(level=level, handlers=[handler], force=True)
