@@ -16,7 +16,9 @@ import xxhash
 
 from fuelline.protocol.errors import ChecksumMismatch, MessageTooLarge, ProtocolError
 
-__all__ = ["WIRE_DTYPES", "ArrayMeta", "Limits", "DEFAULT_LIMITS", "CHECKSUMS", "wire_array", "checksum"]
+__all__ = [
+    "WIRE_DTYPES", "ArrayMeta", "Limits", "DEFAULT_LIMITS", "CHECKSUMS", "Checksummed", "wire_array", "checksum",
+]
 
 # The dtypes that may cross the wire, by their numpy ``dtype.str``. Nothing with object,
 # structured or datetime fields: a header can only ever describe plain numbers.
@@ -102,11 +104,32 @@ def checksum(buf: Any) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
-def wire_array(name: str, value: Any, with_checksum: bool) -> tuple[ArrayMeta, np.ndarray]:
+class Checksummed(dict[str, Any]):
+    """Arrays by name, with ``checksums[name]``: the xxh3-64 of an array's bytes in C order,
+    taken where they were last read anyway (a source that digests what it holds), so that
+    encoding them need not read every byte once more. An array without an entry is checksummed
+    when it is encoded; one that is not sent straight from its own memory (see ``wire_array``)
+    always is."""
+
+    __slots__ = ("checksums",)
+
+    def __init__(self, arrays: Any = (), checksums: dict[str, int] | None = None) -> None:
+        super().__init__(arrays)
+        self.checksums: dict[str, int] = dict(checksums or {})
+
+    def subset(self, names: Any) -> "Checksummed":
+        """The arrays ``names``, in that order, with their checksums."""
+        sums = self.checksums
+        return Checksummed({n: self[n] for n in names}, {n: sums[n] for n in names if n in sums})
+
+
+def wire_array(name: str, value: Any, with_checksum: bool, known: int | None = None) -> tuple[ArrayMeta, np.ndarray]:
     """Turn a value into (header entry, 1-d uint8 view of its bytes) without copying if it can.
 
     Non-contiguous arrays are made C-contiguous and big-endian ones little-endian (one copy);
-    every other array is sent straight from its own memory.
+    every other array is sent straight from its own memory. ``known`` is the checksum of that
+    memory's bytes, taken by the caller; it is used only for an array sent straight from its
+    own memory (the bytes of a copy may differ: a byte swap), else the bytes are read for it.
     """
     arr = np.asarray(value)
     dtype = arr.dtype
@@ -120,12 +143,15 @@ def wire_array(name: str, value: Any, with_checksum: bool) -> tuple[ArrayMeta, n
         # (np.ascontiguousarray would also turn a 0-d array into 1-d, so only when needed.)
         arr = np.ascontiguousarray(arr)
     flat = arr.reshape(-1).view(np.uint8)
+    check = None
+    if with_checksum:
+        check = known if known is not None and arr is value else checksum(flat)
     meta = ArrayMeta(
         name=name,
         dtype=arr.dtype.str,
         shape=tuple(int(d) for d in arr.shape),
         nbytes=int(arr.nbytes),
-        checksum=checksum(flat) if with_checksum else None,
+        checksum=check,
     )
     return meta, flat
 

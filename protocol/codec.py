@@ -27,6 +27,7 @@ from fuelline.protocol.arrays import (
     CHECKSUMS,
     DEFAULT_LIMITS,
     ArrayMeta,
+    Checksummed,
     Limits,
     MessageTooLarge,
     rebuild_array,
@@ -58,6 +59,7 @@ def encode(msg: Message, *, checksum: bool = True) -> list[Any]:
 
     Array frames are views of the arrays' own memory (no copy unless an array is not
     C-contiguous or not little-endian), so the arrays must not change until the send is done.
+    A Batch whose arrays are ``Checksummed`` is sent with the checksums they carry.
     """
     header: dict[str, Any] = {"v": VERSION, "t": msg.TYPE}
     frames: list[Any] = []
@@ -65,8 +67,9 @@ def encode(msg: Message, *, checksum: bool = True) -> list[Any]:
         value = getattr(msg, f.name)
         if isinstance(msg, Batch) and f.name == "arrays":
             entries = []
+            known = value.checksums if isinstance(value, Checksummed) else {}
             for name, arr in value.items():
-                meta, flat = wire_array(name, arr, with_checksum=checksum)
+                meta, flat = wire_array(name, arr, with_checksum=checksum, known=known.get(name))
                 entries.append(meta.to_wire())
                 frames.append(flat)
             header["a"] = entries

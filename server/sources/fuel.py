@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from fuelline.protocol import DataError
+from fuelline.protocol.arrays import Checksummed
 from fuelline.protocol.messages import MAX_HISTORY_WORLD
 from fuelline.server.sources.contract import Batches, BatchSource
 from fuelline.server.sources.fuel_epochs import SharedEpochs
@@ -144,7 +145,7 @@ class FuelStreamSource(BatchSource):
             while (batch := shared.get(reader, rank + slot * world_size)) is not None:
                 slot += 1
                 reader.slot = slot  # (before the yield: this reader is done with that batch)
-                yield {name: batch[name] for name in sources}
+                yield _subset(batch, sources)
             total = shared.total(reader) or 0  # (known once the pass has ended)
             per_rank = -(-total // world_size) if total else 0
             # Past the end of the pass: the rank's last slot wraps to one of its first batches.
@@ -153,7 +154,7 @@ class FuelStreamSource(BatchSource):
                 assert batch is not None  # (an index within the pass)
                 slot += 1
                 reader.slot = slot
-                yield {name: batch[name] for name in sources}
+                yield _subset(batch, sources)
         finally:
             shared.release(reader)
 
@@ -164,6 +165,13 @@ class FuelStreamSource(BatchSource):
 
     def close(self) -> None:
         self._epochs.close()
+
+
+def _subset(batch: dict[str, np.ndarray], sources: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The sources a session asked for, with the checksums the shared pass took of them."""
+    if isinstance(batch, Checksummed):
+        return batch.subset(sources)
+    return {name: batch[name] for name in sources}
 
 
 def _type_name(obj: Any) -> str:

@@ -6,7 +6,9 @@ and hands its batches out to every session that reads the epoch, whatever its ra
 (re)connects: all of them see one order.
 
 The buffer. Batches of a shared pass are held (by reference, with an xxh3 digest taken as they
-were read) until the buffer passes ``budget`` bytes; then batches are let go in this order:
+were read: of each array's bytes, which are also the checksums the batch is sent with, and of
+those with the arrays' names, dtypes and shapes) until the buffer passes ``budget`` bytes; then
+batches are let go in this order:
 
 1. batches no live reader can need: below the slowest reader's next batch, and not a batch a
    reader may still want as padding (padding wraps to an epoch's first batches, so a rank r may
@@ -36,6 +38,7 @@ import numpy as np
 import xxhash
 
 from fuelline.protocol import DataError
+from fuelline.protocol.arrays import Checksummed, checksum
 
 __all__ = ["SharedEpochs", "batch_digest"]
 
@@ -49,13 +52,18 @@ LOCK_WAIT = 1.0  # seconds a close waits for a stream a session is reading
 SCAN = 4096  # held batches looked at, per pass, for ones no reader needs (step 2)
 
 
-def batch_digest(arrays: dict[str, np.ndarray]) -> int:
-    """xxh3-64 of a batch's names, dtypes, shapes and bytes."""
+def batch_digest(arrays: dict[str, np.ndarray]) -> tuple[int, Checksummed]:
+    """xxh3-64 of a batch's names, dtypes, shapes and bytes, and the batch with the xxh3-64 of
+    each array's bytes: the one read of its bytes here serves as its checksums on the wire too.
+
+    Returns:
+        (digest, the same arrays as a ``Checksummed``).
+    """
+    sums = {name: checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for name, a in arrays.items()}
     h = xxhash.xxh3_64()
     for name, a in arrays.items():
-        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
-        h.update(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
-    return h.intdigest()
+        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0{sums[name]}\0".encode())
+    return h.intdigest(), Checksummed(arrays, sums)
 
 
 class _Entry:
@@ -187,8 +195,9 @@ class SharedEpochs:
                         raise DataError(p.failed[1])
                     private = g < p.read
             if entry is not None:
-                if batch_digest(entry.arrays) == entry.digest:
-                    return entry.arrays
+                digest, arrays = batch_digest(entry.arrays)
+                if digest == entry.digest:
+                    return arrays  # (with the checksums just taken: what is sent is what was checked)
                 self._changed(p, g, entry)
                 private = True
             if private:
@@ -225,7 +234,7 @@ class SharedEpochs:
                 with self._lock:
                     p.failed = (i, str(exc))
                 raise
-            digest = batch_digest(arrays)
+            digest, arrays = batch_digest(arrays)
             with self._lock:
                 if p.expected is not None and i < len(p.expected) and p.expected[i] != digest:
                     p.failed = (i, self._not_deterministic(p, i, "the pass this server forgot for room"))
@@ -265,10 +274,11 @@ class SharedEpochs:
             arrays = self._to_arrays(batch, i)
             with self._lock:
                 want = p.digests[i]
-            if batch_digest(arrays) != want:
+            digest, checked = batch_digest(arrays)
+            if digest != want:
                 raise DataError(self._not_deterministic(p, i, "its first pass"))
             if i == g:
-                return arrays
+                return checked
 
     def _close_private(self, reader: Reader) -> None:
         it, reader.private = reader.private, None
