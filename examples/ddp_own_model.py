@@ -4,12 +4,12 @@
     torchrun --nproc_per_node 2 examples/ddp_own_model.py --server 127.0.0.1:5557 --epochs 2 --checkpoint ckpt
     torchrun --nproc_per_node 2 examples/ddp_own_model.py --server 127.0.0.1:5557 --epochs 3 --checkpoint ckpt --resume
 
-Each rank reads its own share of every epoch (torchrun's RANK and WORLD_SIZE say which). Each
-rank's checkpoint holds the model, the optimizer, the 1-bit hook's error feedback and the data
-position, so a resumed run goes on with the next batch the saved one had not trained on.
+Each rank reads its share of every epoch (torchrun's RANK and WORLD_SIZE). Its checkpoint holds the
+model, optimizer, the 1-bit hook's error feedback and the data position: a resume goes on from there.
 """
 
 import argparse
+import gc
 import os
 
 import torch
@@ -22,9 +22,7 @@ from fuelline.client import ServerDataset, ServerDataStream
 from fuelline.trainer.onebit import OneBitState, onebit_hook
 
 
-class Classifier(nn.Module):
-    """Logits for ``classes`` from a ``features`` vector of ``dim``: the model is yours to change."""
-
+class Classifier(nn.Module):  # logits for ``classes`` from ``features``: the model is yours to change
     def __init__(self, dim: int, classes: int) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.BatchNorm1d(dim), nn.Linear(dim, 64), nn.ReLU(), nn.Linear(64, classes))
@@ -44,7 +42,13 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.01)
     args = p.parse_args()
     dist.init_process_group("gloo")  # "nccl" on GPUs, with the model and batches moved there
-    rank = dist.get_rank()
+    train(args, dist.get_rank())
+    dist.barrier()  # in order: all ranks done, the group's holders freed, the group (left to the exit, it aborts)
+    gc.collect()  # DDP and the hook's state sit in reference cycles of train()'s frames
+    dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, rank: int) -> None:
     os.makedirs(args.checkpoint, exist_ok=True)
     path = os.path.join(args.checkpoint, f"rank{rank}.pt")
     with ServerDataStream(("features",), endpoints=[args.server], timeout=30.0) as probe:
@@ -61,9 +65,8 @@ def main() -> None:
     first = steps = 0
     if args.resume:
         saved = torch.load(path, weights_only=True)
-        model.module.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        onebit.load_state_dict(saved["onebit"])
+        for holder, key in ((model.module, "model"), (optimizer, "optimizer"), (onebit, "onebit")):
+            holder.load_state_dict(saved[key])
         first, done, steps = saved["data"]["epoch"], saved["data"]["batches"], saved["steps"]
         if rank == 0:
             print(f"resumed at epoch {first}, after {done} of its {len(data)} batches", flush=True)
@@ -72,7 +75,6 @@ def main() -> None:
         else:  # saved at the end of its epoch: the next one starts afresh
             first += 1
             data.set_epoch(first)
-
     for epoch in range(first, args.epochs):
         total, batches = 0.0, 0
         for features, label in loader:
@@ -91,7 +93,6 @@ def main() -> None:
             print(f"epoch {epoch}: {batches} batches, loss {total / max(batches, 1):.4f}", flush=True)
         if steps == args.stop_after:
             break
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
