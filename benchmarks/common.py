@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from fuelline.protocol.common.cpu import process_cpu_seconds
 from fuelline.protocol.common.endpoints import parse_ready_line
 
 __all__ = [
@@ -32,7 +33,6 @@ ROOT = BENCH_DIR.parent
 RESULTS_DIR = BENCH_DIR / "results"
 DEFAULT_DATA_DIR = BENCH_DIR / ".data"
 
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 # -- measuring one pass ----------------------------------------------------------------------------
@@ -51,36 +51,6 @@ class Round:
     seconds: float
     consumer_cpu_s: float  # this process, all threads, first batch to end of pass
     producer_cpu_s: float | None  # the sending process over the same span; None if in-process
-
-
-def _own_cpu_seconds(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    # After the command name: state is field 3, utime and stime fields 14 and 15.
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def process_cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process, all its threads and its live child processes (a
-    server's worker processes), from Linux /proc; None where there is no /proc."""
-    own = _own_cpu_seconds(pid)
-    if own is None:
-        return None
-    return own + sum(process_cpu_seconds(child) or 0.0 for child in _children(pid))
 
 
 def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | None = None) -> Round:

@@ -35,11 +35,11 @@ from typing import IO, Any, Iterator
 
 from fuelline.protocol import DataError, OptionError
 from fuelline.protocol.common.argtypes import non_negative_int, positive_int, seconds
+from fuelline.protocol.common.cpu import process_cpu_seconds
 from fuelline.protocol.common.endpoints import parse_ready_line
 
 __all__ = ["register", "run", "process_cpu_seconds"]
 
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 SIDES = ("served", "in_process")
 FIGURES = (("rows_per_s", "rows/s"), ("mb_per_s", "MB/s"), ("batches_per_s", "batches/s"),
            ("data_wait_ms_per_batch", "data wait ms/batch"), ("cpu_ms_per_batch", "CPU ms/batch"))
@@ -95,36 +95,6 @@ def _serve_namespace(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="fuelline")
     serve.register(parser.add_subparsers())
     return parser.parse_args(["serve", *argv])
-
-
-def _own_cpu_seconds(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    # After the command name: utime and stime are the 12th and 13th fields (14 and 15 of stat).
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-    except OSError:
-        pass
-    return out
-
-
-def process_cpu_seconds(pid: int, skip: frozenset[int] = frozenset()) -> float | None:
-    """User + system CPU seconds of a process, all its threads and its live child processes (a
-    source's worker processes) but those in ``skip``, from Linux /proc; None without /proc."""
-    own = _own_cpu_seconds(pid)
-    if own is None:
-        return None
-    return own + sum(process_cpu_seconds(c, skip) or 0.0 for c in _children(pid) if c not in skip)
 
 
 def _elapsed_cpu(before: float | None, after: float | None) -> float | None:

@@ -1,0 +1,40 @@
+"""CPU time of a process and its children, read from Linux /proc: what ``fuelline bench`` and the
+benchmarks charge to a server and its worker processes."""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["process_cpu_seconds"]
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _own_cpu_seconds(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # After the command name: state is field 3, utime and stime fields 14 and 15.
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def process_cpu_seconds(pid: int, skip: frozenset[int] = frozenset()) -> float | None:
+    """User + system CPU seconds of a process, all its threads and its live child processes (a
+    source's worker processes) but those in ``skip``; None where there is no /proc."""
+    own = _own_cpu_seconds(pid)
+    if own is None:
+        return None
+    return own + sum(process_cpu_seconds(c, skip) or 0.0 for c in _children(pid) if c not in skip)
