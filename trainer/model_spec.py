@@ -13,7 +13,6 @@ refused with a :class:`~fuelline.protocol.DataError` that says what is missing.
 
 from __future__ import annotations
 
-import importlib
 import logging
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -26,6 +25,7 @@ from torch import nn
 
 from fuelline.client import ServerDataStream
 from fuelline.protocol import DataError
+from fuelline.protocol.common.callables import load_callable
 from fuelline.trainer.model import MODALITIES, EmotionNet
 
 __all__ = ["ModelSpec", "SINGLE_HEAD", "EVAL_HEAD", "load_factory", "require_builtin", "builtin_model", "build_model",
@@ -84,17 +84,7 @@ class ModelSpec:
 
 def load_factory(spec: str) -> Callable[[ModelSpec], nn.Module]:
     """Import ``package.module:function`` (the value of ``--model``)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise DataError(f"--model {spec!r}: expected package.module:function, e.g. examples.own_model:build")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise DataError(f"--model {spec!r}: cannot import {module_name!r} ({exc}); is its folder on PYTHONPATH?") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise DataError(f"--model {spec!r}: {module_name} has no callable {attr!r}")
-    return factory
+    return load_callable(spec, "--model", "examples.own_model:build")
 
 
 def require_builtin(sources: tuple[str, ...], info: Mapping[str, Any]) -> None:

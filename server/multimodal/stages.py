@@ -13,13 +13,13 @@ rather than writing into those. ``band_power`` below is an example.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
 from fuelline.protocol import DataError
+from fuelline.protocol.common.callables import load_callable
 
 __all__ = ["Batch", "Stage", "Normalize", "Cast", "Pipeline", "load_stage", "band_power"]
 
@@ -110,21 +110,10 @@ _MOVED = {"fuelline.server.windows.stages": __name__}
 
 
 def load_stage(spec: str) -> Stage:
-    """Import ``module:function`` (the value of a ``--stage`` option)."""
-    module_name, sep, attr = spec.partition(":")
-    # The example stages lived in ``fuelline.server.windows.stages`` before the server's modules were
-    # grouped by concern; command lines and unit files written then keep working.
-    module_name = _MOVED.get(module_name, module_name)
-    if not sep or not module_name or not attr:
-        raise DataError(f"--stage {spec!r}: expected MODULE:FUNCTION, e.g. fuelline.server.multimodal.stages:band_power")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise DataError(f"--stage {spec!r}: cannot import {module_name!r} ({exc})") from None
-    stage = getattr(module, attr, None)
-    if not callable(stage):
-        raise DataError(f"--stage {spec!r}: {module_name} has no callable {attr!r}")
-    return stage
+    """Import ``module:function`` (the value of a ``--stage`` option). The example stages lived in
+    ``fuelline.server.windows.stages`` before the server's modules were grouped by concern; command
+    lines and unit files written then keep working."""
+    return load_callable(spec, "--stage", f"{__name__}:band_power", moved=_MOVED)
 
 
 # Bands of the EEG band-power example, in Hz.
