@@ -48,6 +48,10 @@ def _watch_parent(parent_pid: int, paths: list, folder: str | None) -> None:
             os._exit(0)
 
 
+# Seconds a worker whose pipe broke waits for its server's exit to finish before it cleans up.
+PARENT_EXIT_WAIT = 10.0
+
+
 def _parent_gone(parent_pid: int, within: float = 2.0) -> bool:
     """Whether the serving process exited, waiting a little: its pipe reads EOF while the kernel
     is still closing its other files, the pool's lock among them, and it is reparented only after."""
@@ -86,7 +90,12 @@ def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, l
         handoff.unlink(paths[1])  # consumed by now, or never will be
         paths[1] = None
         if message is None:
-            if eof and _parent_gone(parent_pid):
+            if eof:
+                # The pipe broke: the server died (or dropped this worker). Its exit closes its
+                # files, the pool's lock among them, before it is reparented, which on a loaded
+                # host can take seconds: wait for that, then remove what is ours. The folder goes
+                # only if no live pool holds its lock, so a server that lives keeps it.
+                _parent_gone(parent_pid, within=PARENT_EXIT_WAIT)
                 _clean_up_after(paths, folder)
             return
         task_id, split, u, columns, path = message
