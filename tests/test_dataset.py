@@ -147,3 +147,33 @@ def test_the_client_imports_torch_only_when_serverdataset_is_named() -> None:
             "c.ServerDataset; assert 'torch' in sys.modules; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+FUEL_SERVER = """
+import numpy as np
+from fuelline.server import start_server
+
+class Stream:
+    sources = ("x",)
+
+    def get_epoch_iterator(self, **kwargs):
+        for i in range(6):
+            yield (np.full(4, i, dtype=np.int64),)
+
+start_server(Stream(), port=0, hwm=3)
+"""
+
+
+def test_a_fuel_stream_of_unknown_length_is_read_whole_by_one_worker_and_refused_to_several(start_script) -> None:
+    """A Fuel-style stream cannot say how many batches an epoch has, so its epoch cannot be cut
+    among DataLoader workers: one worker (or none) reads it whole; several are told why not."""
+    server = start_script(FUEL_SERVER)
+    endpoint = f"127.0.0.1:{server.port}"
+    for workers in (0, 1):
+        data = ServerDataset(("x",), endpoints=[endpoint], timeout=TIMEOUT)
+        options = {"timeout": TIMEOUT} if workers else {}
+        got = [int(x[0]) for (x,) in DataLoader(data, batch_size=None, num_workers=workers, **options)]
+        assert got == list(range(6)), (workers, got)
+    data = ServerDataset(("x",), endpoints=[endpoint], timeout=TIMEOUT)
+    with pytest.raises(Exception, match=r"cannot be split among DataLoader workers; use num_workers <= 1"):
+        list(DataLoader(data, batch_size=None, num_workers=2, timeout=TIMEOUT))
