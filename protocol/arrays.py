@@ -18,6 +18,7 @@ from fuelline.protocol.errors import ChecksumMismatch, MessageTooLarge, Protocol
 
 __all__ = [
     "WIRE_DTYPES", "ArrayMeta", "Limits", "DEFAULT_LIMITS", "CHECKSUMS", "Checksummed", "wire_array", "checksum",
+    "copy_with_checksum",
 ]
 
 # The dtypes that may cross the wire, by their numpy ``dtype.str``. Nothing with object,
@@ -30,6 +31,11 @@ WIRE_DTYPES = frozenset(
 # a loopback stream of 3 MB batches, checking with xxh3 costs about a fifth of the throughput,
 # with CRC32 it cost half (each end makes one more pass over every byte).
 CHECKSUMS = ("xxh3_64",)
+
+# Bytes copied, then hashed, at a time by ``copy_with_checksum``: small enough that a block is
+# still in the core's L2 cache when it is hashed, large enough that the per-block Python cost
+# (about a microsecond) stays under 1 % of the block's copy.
+COPY_BLOCK = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,33 @@ class ArrayMeta:
 def checksum(buf: Any) -> int:
     """The xxh3-64 digest of a buffer, as an unsigned int."""
     return xxhash.xxh3_64_intdigest(buf)
+
+
+def copy_with_checksum(value: Any) -> tuple[np.ndarray, int]:
+    """A C-contiguous copy of an array (same dtype and shape) and the xxh3-64 of its bytes.
+
+    The copy is hashed block by block right after each block is written, while it is still in
+    cache: one pass over memory where copying and then checksumming would make two. The digest
+    is the one ``checksum`` gives of the copy's bytes (xxh3's streaming and one-shot forms agree).
+    """
+    src = np.asarray(value)
+    out = np.empty(src.shape, src.dtype)
+    dst = out.reshape(-1).view(np.uint8)
+    h = xxhash.xxh3_64()
+    if src.flags.c_contiguous:
+        flat = src.reshape(-1).view(np.uint8)
+        for start in range(0, dst.size, COPY_BLOCK):
+            block = dst[start:start + COPY_BLOCK]
+            block[...] = flat[start:start + COPY_BLOCK]
+            h.update(block)
+    elif src.ndim:
+        # Strided: whole rows of the leading axis at a time, about a block's worth.
+        rows = max(1, COPY_BLOCK // max(1, out[0].nbytes))
+        for start in range(0, len(out), rows):
+            block = out[start:start + rows]
+            block[...] = src[start:start + rows]
+            h.update(block.reshape(-1).view(np.uint8))
+    return out, h.intdigest()
 
 
 class Checksummed(dict[str, Any]):

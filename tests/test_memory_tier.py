@@ -90,7 +90,7 @@ def test_the_memory_tier_is_bounded_per_client_and_in_clients() -> None:
 
 class Recorded:
     """A Fuel-style stream that keeps every array it yields, so the test can change one later,
-    as a stream that reuses its buffers would."""
+    as a stream that promised fresh arrays and reuses them after all would."""
 
     sources = ("x",)
 
@@ -108,7 +108,8 @@ def test_a_batch_changed_after_it_was_sent_is_prepared_again(zmq_context: zmq.Co
     from fuelline.server.sources.fuel import FuelStreamSource
 
     stream = Recorded()
-    server = Server(FuelStreamSource(stream), port=0, hwm=4, heartbeat=5.0, memory_cache=10)
+    # Served without the server's copy, so the stream's later write reaches what the server keeps.
+    server = Server(FuelStreamSource(stream, fresh_arrays=True), port=0, hwm=4, heartbeat=5.0, memory_cache=10)
     address = server.start().removeprefix("tcp://")
     try:
         first = RawClient(zmq_context, address)

@@ -46,8 +46,14 @@ def start_server(
     insecure: bool = False,
     max_clients: int = DEFAULT_MAX_CLIENTS,
     buffer_mb: int = DEFAULT_BUFFER_MB,
+    fresh_arrays: bool = False,
 ) -> None:
     """Serve a data stream to ``ServerDataStream`` clients until SIGTERM/SIGINT, as Fuel did.
+
+    The server copies each batch of a Fuel-style stream once, as it reads it (and checksums it
+    in the same pass over memory), and from then on holds and sends only that copy: a stream may
+    refill the same preallocated arrays for every batch, as many Fuel and numpy streams do, and
+    every client still gets each batch as it was yielded. ``fresh_arrays=True`` skips the copy.
 
     Args:
         data_stream: a Fuel-style stream (``.sources``, ``.get_epoch_iterator()`` yielding tuples
@@ -73,8 +79,18 @@ def start_server(
             and reconnect, kept within this many MB (``fuelline.server.sources.fuel``); a rank that
             falls further behind reads the stream again on its own, which a stream that shuffles
             differently on every call refuses with an error naming this option.
+        fresh_arrays: promise that the stream yields new arrays for every batch and that nothing
+            writes to them afterwards; they are then served from their own memory, without the
+            copy. A stream that breaks it may be served bytes it wrote later (caught by the
+            checksums, unless ``checksum=False``). Only for Fuel-style streams: a ``BatchSource``
+            owns its batches, and passing True with one is a ValueError.
     """
-    source = data_stream if isinstance(data_stream, BatchSource) else FuelStreamSource(data_stream, buffer_mb)
+    if isinstance(data_stream, BatchSource):
+        if fresh_arrays:
+            raise ValueError(f"fresh_arrays applies to Fuel-style streams; {type(data_stream).__name__} is a BatchSource")
+        source = data_stream
+    else:
+        source = FuelStreamSource(data_stream, buffer_mb, fresh_arrays=fresh_arrays)
     curve = CurveConfig.from_dir(curve_keys) if curve_keys is not None else None
     server = Server(source, host=host, port=port, hwm=hwm, heartbeat=heartbeat, checksum=checksum, curve=curve,
                     memory_cache=memory_cache, insecure=insecure, max_clients=max_clients)

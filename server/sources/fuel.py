@@ -7,6 +7,13 @@ Batch i of the pass goes to rank i mod world_size. So that every rank gets the s
 batches, a rank short of one at the end is padded with one of the epoch's first batches, as
 DistributedSampler pads; a rank needs at most one such batch, and takes it only then. A resumed
 client starts at its cursor in the same pass.
+
+Buffers. Many streams refill one preallocated array per batch, while the server holds a batch
+well after the stream moved on (the shared pass, read-ahead, zero-copy sends that leave when the
+socket gets to them). So by default each batch is copied once as it is read, and checksummed in
+the same pass over its bytes (``fuelline.protocol.arrays.copy_with_checksum``): from then on the
+server holds, checks and sends only its own copy. A stream whose every batch is new arrays that
+nothing writes to afterwards can say so with ``fresh_arrays=True`` and be served from them.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 
 from fuelline.protocol import DataError
-from fuelline.protocol.arrays import Checksummed
+from fuelline.protocol.arrays import Checksummed, copy_with_checksum
 from fuelline.protocol.messages import MAX_HISTORY_WORLD
 from fuelline.server.sources.contract import Batches, BatchSource
 from fuelline.server.sources.fuel_epochs import SharedEpochs
@@ -37,16 +44,22 @@ class FuelStreamSource(BatchSource):
 
     Args:
         data_stream: a stream, or a mapping of split name to stream.
-        buffer_mb: the batches of an epoch's pass are held, by reference, up to this many MB
-            (all splits and epochs together), so that ranks that read the epoch at different
-            speeds, start late or reconnect get them from the one pass. A rank further behind
-            reads the stream again, checked batch by batch against the pass: fine for a
-            deterministic stream, refused (a DataError) for one that shuffles anew on every call.
+        buffer_mb: the batches of an epoch's pass are held up to this many MB (all splits and
+            epochs together), so that ranks that read the epoch at different speeds, start late
+            or reconnect get them from the one pass. A rank further behind reads the stream
+            again, checked batch by batch against the pass: fine for a deterministic stream,
+            refused (a DataError) for one that shuffles anew on every call.
+        fresh_arrays: the stream promises that every batch it yields is arrays of its own that
+            neither it nor anyone else writes to afterwards; they are then held and sent as they
+            are, not copied. False (the default) copies each batch once as it is read, so a
+            stream may refill the same buffers for every batch.
     """
 
-    def __init__(self, data_stream: Any, buffer_mb: int = DEFAULT_BUFFER_MB) -> None:
+    def __init__(self, data_stream: Any, buffer_mb: int = DEFAULT_BUFFER_MB, *, fresh_arrays: bool = False) -> None:
         if not isinstance(buffer_mb, int) or buffer_mb < 0:
             raise ValueError(f"buffer_mb must be a whole number of MB >= 0, got {buffer_mb!r}")
+        if not isinstance(fresh_arrays, bool):
+            raise ValueError(f"fresh_arrays must be True or False, got {fresh_arrays!r}")
         super().__init__()
         streams = data_stream if isinstance(data_stream, Mapping) else {DEFAULT_SPLIT: data_stream}
         if not streams:
@@ -67,6 +80,9 @@ class FuelStreamSource(BatchSource):
         if not sources or not all(isinstance(s, str) and s for s in sources):
             raise DataError(f"data stream sources must be non-empty strings, got {sources!r}")
         self._sources: tuple[str, ...] = sources
+        self._fresh = fresh_arrays
+        self._copied = 0  # bytes copied out of the stream's arrays
+        self._copied_lock = threading.Lock()
         self._epochs = SharedEpochs(self._open, self._as_arrays, self._locks, buffer_mb * 2**20)
 
     @property
@@ -116,6 +132,8 @@ class FuelStreamSource(BatchSource):
         return iter(self._streams[split].get_epoch_iterator())
 
     def _as_arrays(self, batch: Any, index: int) -> dict[str, np.ndarray]:
+        """The batch's arrays by source: the server's own copies (checksummed as they are made),
+        or the stream's arrays themselves where it promised fresh ones."""
         if isinstance(batch, Mapping):
             values = [batch[name] for name in self._sources]
         else:
@@ -124,7 +142,15 @@ class FuelStreamSource(BatchSource):
             raise DataError(
                 f"batch {index} of the stream has {len(values)} values for {len(self._sources)} sources {self._sources}"
             )
-        return {name: np.asarray(v) for name, v in zip(self._sources, values)}
+        arrays = {name: np.asarray(v) for name, v in zip(self._sources, values)}
+        if self._fresh:
+            return arrays
+        copies, sums = {}, {}
+        for name, a in arrays.items():
+            copies[name], sums[name] = copy_with_checksum(a)
+        with self._copied_lock:
+            self._copied += sum(a.nbytes for a in copies.values())
+        return Checksummed(copies, sums)
 
     def iter_batches(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
@@ -160,8 +186,10 @@ class FuelStreamSource(BatchSource):
 
     @property
     def buffer_stats(self) -> dict[str, int]:
-        """Bytes of batches held now and at most so far, and the budget."""
-        return {"held": self._epochs.held_bytes, "peak": self._epochs.peak_bytes, "budget": self._epochs.budget}
+        """Bytes of batches held now and at most so far, the budget, and bytes copied out of the
+        stream's arrays so far (0 with ``fresh_arrays``)."""
+        return {"held": self._epochs.held_bytes, "peak": self._epochs.peak_bytes, "budget": self._epochs.budget,
+                "copied": self._copied}
 
     def close(self) -> None:
         self._epochs.close()

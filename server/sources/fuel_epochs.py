@@ -5,10 +5,11 @@ A Fuel stream's ``get_epoch_iterator()`` may draw a new order on every call (a s
 and hands its batches out to every session that reads the epoch, whatever its rank or when it
 (re)connects: all of them see one order.
 
-The buffer. Batches of a shared pass are held (by reference, with an xxh3 digest taken as they
-were read: of each array's bytes, which are also the checksums the batch is sent with, and of
-those with the arrays' names, dtypes and shapes) until the buffer passes ``budget`` bytes; then
-batches are let go in this order:
+The buffer. Batches of a shared pass are held (as ``to_arrays`` made them: the server's own copy
+of what the stream yielded, or the stream's arrays where it promised fresh ones; with an xxh3
+digest taken as they were read: of each array's bytes, which are also the checksums the batch is
+sent with, and of those with the arrays' names, dtypes and shapes) until the buffer passes
+``budget`` bytes; then batches are let go in this order:
 
 1. batches no live reader can need: below the slowest reader's next batch, and not a batch a
    reader may still want as padding (padding wraps to an epoch's first batches, so a rank r may
@@ -17,11 +18,11 @@ batches are let go in this order:
 3. any batch, oldest epoch and lowest index first: a rank this far behind the others is logged,
    once per epoch, and reads what it lost again (below).
 
-A batch that was let go, or whose arrays changed since (a stream that reuses its buffers), is read
-again by a private pass of that reader: a new ``get_epoch_iterator()`` whose every batch is checked
-against the digests of the shared pass. A stream that gives another batch the second time (not
-deterministic) is refused with a DataError that says why and what to raise, never served in
-another order. Passes forgotten for room (more than ``MAX_EPOCHS`` per split) leave the digests of
+A batch that was let go, or whose arrays changed since (a stream that broke its promise of fresh
+arrays), is read again by a private pass of that reader: a new ``get_epoch_iterator()`` whose
+every batch is checked against the digests of the shared pass. A stream that gives another batch
+the second time (not deterministic) is refused with a DataError that says why and what to raise,
+never served in another order. Passes forgotten for room (more than ``MAX_EPOCHS`` per split) leave the digests of
 their first batches, so that a later pass over the same epoch is checked against them too.
 """
 
@@ -32,7 +33,7 @@ import logging
 import threading
 from array import array
 from collections import OrderedDict
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 import xxhash
@@ -52,14 +53,19 @@ LOCK_WAIT = 1.0  # seconds a close waits for a stream a session is reading
 SCAN = 4096  # held batches looked at, per pass, for ones no reader needs (step 2)
 
 
-def batch_digest(arrays: dict[str, np.ndarray]) -> tuple[int, Checksummed]:
+def batch_digest(arrays: dict[str, np.ndarray], known: Mapping[str, int] | None = None) -> tuple[int, Checksummed]:
     """xxh3-64 of a batch's names, dtypes, shapes and bytes, and the batch with the xxh3-64 of
     each array's bytes: the one read of its bytes here serves as its checksums on the wire too.
+
+    Args:
+        arrays: the batch; known: checksums of some of its arrays, taken as they were copied.
 
     Returns:
         (digest, the same arrays as a ``Checksummed``).
     """
-    sums = {name: checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for name, a in arrays.items()}
+    known = known or {}
+    sums = {n: known[n] if n in known else checksum(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+            for n, a in arrays.items()}
     h = xxhash.xxh3_64()
     for name, a in arrays.items():
         h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0{sums[name]}\0".encode())
@@ -134,7 +140,8 @@ class SharedEpochs:
 
     Args:
         open_epoch: ``split -> iterator`` (calls the stream's ``get_epoch_iterator()``).
-        to_arrays: ``(batch, index) -> {source: array}`` for every source; raises DataError.
+        to_arrays: ``(batch, index) -> {source: array}``, called under the split's lock as soon as
+            the stream yields; raises DataError. A ``Checksummed`` result's checksums are kept.
         locks: per split, the lock every call into that split's stream holds (streams are not
             required to be thread-safe).
         budget: bytes of batches held at most.
@@ -234,7 +241,7 @@ class SharedEpochs:
                 with self._lock:
                     p.failed = (i, str(exc))
                 raise
-            digest, arrays = batch_digest(arrays)
+            digest, arrays = batch_digest(arrays, getattr(arrays, "checksums", None))
             with self._lock:
                 if p.expected is not None and i < len(p.expected) and p.expected[i] != digest:
                     p.failed = (i, self._not_deterministic(p, i, "the pass this server forgot for room"))
@@ -270,11 +277,12 @@ class SharedEpochs:
                     batch = next(reader.private)
                 except StopIteration:
                     raise DataError(self._not_deterministic(p, i, f"a pass that ended after {i} batches")) from None
+                # (Under the lock: another pass's next() may refill a buffer this batch shares.)
+                arrays = self._to_arrays(batch, i)
             reader.private_next = i + 1
-            arrays = self._to_arrays(batch, i)
             with self._lock:
                 want = p.digests[i]
-            digest, checked = batch_digest(arrays)
+            digest, checked = batch_digest(arrays, getattr(arrays, "checksums", None))
             if digest != want:
                 raise DataError(self._not_deterministic(p, i, "its first pass"))
             if i == g:
@@ -316,8 +324,9 @@ class SharedEpochs:
             warn, self._warned_changed = not self._warned_changed, True
         if warn:
             log.warning(
-                "split %r, epoch %d: batch %d changed after the stream yielded it (the stream reuses its "
-                "arrays); such batches are read again for the ranks that need them", p.split, p.epoch, g,
+                "split %r, epoch %d: batch %d changed after the stream yielded it (written to since: a "
+                "stream served with fresh_arrays=True that reuses its arrays?); such batches are read "
+                "again for the ranks that need them", p.split, p.epoch, g,
             )
 
     # -- room --------------------------------------------------------------------------------
