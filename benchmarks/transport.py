@@ -7,6 +7,10 @@ array from a Fuel-style stream through ``start_server`` to ``ServerDataStream``,
 headers, credit, sessions and (unless turned off) an xxh3 checksum per array, checked on arrival:
 over TCP (``local=False``, as a client on another host reads), and as a default client on the
 server's host reads, through the Unix socket the server offers.
+The headline fuelline contenders serve the stream as ``start_server`` does by default: each batch
+is copied once as it is read (and checksummed in that same pass), since a stream may refill one
+buffer for every batch. The stream here yields one array it never writes to, so it may also be
+served with ``fresh_arrays=True``, without the copy: those contenders are labelled so.
 Each sender runs in its own process, as a data server would.
 """
 
@@ -38,6 +42,7 @@ TIMEOUT_S = 60.0  # for any single wait: a connection, a batch, an acknowledgeme
 BARE, BARE_IPC = "bare pyzmq", "bare pyzmq, ipc"
 FUELLINE, NO_CHECKSUM = "fuelline", "fuelline --no-checksum"  # over TCP (ServerDataStream(local=False))
 LOCAL, LOCAL_NO_CHECKSUM = "fuelline, local", "fuelline, local --no-checksum"  # the default: moves to ipc
+FRESH, LOCAL_FRESH = "fuelline, fresh_arrays", "fuelline, local, fresh_arrays"  # the stream's array, not copied
 
 
 def make_array() -> np.ndarray:
@@ -147,7 +152,8 @@ def bare_round(sender: BareSender, batches: int, name: str = BARE) -> Round:
 
 # -- fuelline ------------------------------------------------------------------------------------
 class RepeatedArrayStream:
-    """The smallest Fuel-style stream: the same preallocated array, ``batches`` times an epoch."""
+    """The smallest Fuel-style stream: the same preallocated array, ``batches`` times an epoch.
+    It never writes to the array, so it keeps the promise of ``fresh_arrays=True`` too."""
 
     sources = ("features",)
 
@@ -159,15 +165,16 @@ class RepeatedArrayStream:
         return ((self.array,) for _ in range(self.batches))
 
 
-def serve_repeated_array(batches: int, checksum: bool) -> None:
+def serve_repeated_array(batches: int, checksum: bool, fresh_arrays: bool = False) -> None:
     """Entry point of the server process (it prints ``serving on ...`` and serves until SIGTERM)."""
     from fuelline.server import start_server
 
-    start_server(RepeatedArrayStream(batches), port=0, hwm=HWM, host=HOST, checksum=checksum)
+    start_server(RepeatedArrayStream(batches), port=0, hwm=HWM, host=HOST, checksum=checksum, fresh_arrays=fresh_arrays)
 
 
-def fuelline_server(name: str, batches: int, checksum: bool, log_dir: Path) -> ServerProcess:
-    code = f"from benchmarks.transport import serve_repeated_array; serve_repeated_array({batches!r}, {checksum!r})"
+def fuelline_server(name: str, batches: int, checksum: bool, log_dir: Path, fresh_arrays: bool = False) -> ServerProcess:
+    code = ("from benchmarks.transport import serve_repeated_array; "
+            f"serve_repeated_array({batches!r}, {checksum!r}, {fresh_arrays!r})")
     return ServerProcess(name, [sys.executable, "-c", code], log_dir / f"{name.replace(' ', '_')}.log")
 
 
@@ -201,6 +208,7 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         bare_ipc = stack.enter_context(BareSender(ipc_path=str(Path(logs) / "bare.sock")))
         with_ck = stack.enter_context(fuelline_server(FUELLINE, batches, True, Path(logs)))
         no_ck = stack.enter_context(fuelline_server(NO_CHECKSUM, batches, False, Path(logs)))
+        fresh = stack.enter_context(fuelline_server(FRESH, batches, True, Path(logs), fresh_arrays=True))
         contenders = [
             Contender(BARE, lambda: bare_round(bare, batches)),
             Contender(BARE_IPC, lambda: bare_round(bare_ipc, batches, BARE_IPC)),
@@ -208,6 +216,8 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
             Contender(NO_CHECKSUM, lambda: fuelline_round(no_ck, batches)),
             Contender(LOCAL, lambda: fuelline_round(with_ck, batches, local=True, name=LOCAL)),
             Contender(LOCAL_NO_CHECKSUM, lambda: fuelline_round(no_ck, batches, local=True, name=LOCAL_NO_CHECKSUM)),
+            Contender(FRESH, lambda: fuelline_round(fresh, batches)),
+            Contender(LOCAL_FRESH, lambda: fuelline_round(fresh, batches, local=True, name=LOCAL_FRESH)),
         ]
         ipc_note = ("fuelline, local: a default ServerDataStream on the server's host, which moves from TCP to the "
                     "Unix socket the server offers (the same server processes as the TCP contenders); held to bare "
@@ -216,7 +226,8 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         results = alternate(contenders, rounds, lambda r: f"{gbps.of(r):.3f} GB/s")
         stack.close()  # stop the servers now: their exit status belongs in the record
         exits = {BARE: bare.exit_status, BARE_IPC: bare_ipc.exit_status, FUELLINE: with_ck.exit_status,
-                 NO_CHECKSUM: no_ck.exit_status, LOCAL: with_ck.exit_status, LOCAL_NO_CHECKSUM: no_ck.exit_status}
+                 NO_CHECKSUM: no_ck.exit_status, LOCAL: with_ck.exit_status, LOCAL_NO_CHECKSUM: no_ck.exit_status,
+                 FRESH: fresh.exit_status, LOCAL_FRESH: fresh.exit_status}
     parameters = {
         "rounds": rounds, "batches_per_round": batches, "shape": list(SHAPE), "dtype": np.dtype(DTYPE).name,
         "batch_bytes": batch_bytes, "bytes_per_round": batch_bytes * batches, "hwm": HWM, "host": HOST,
@@ -234,14 +245,20 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         ipc_note,
         "fuelline: start_server(stream, port=0, hwm=10) in a child process, ServerDataStream(hwm=10) reading one "
         "epoch per round (a new client each round); every array is touched (one element read).",
+        "fuelline and fuelline, local (and their --no-checksum) are start_server's default: the server copies each "
+        "batch once as it reads it from the stream, checksumming it in the same pass, so that a stream may refill "
+        "one buffer for every batch. fuelline, fresh_arrays and fuelline, local, fresh_arrays serve the same "
+        "stream with start_server(..., fresh_arrays=True): the stream's own array is sent, not copied (allowed "
+        "only for a stream that never writes to an array it yielded, as this one).",
         "CPU s/GB adds the consumer's and the sender's CPU time (all threads, /proc) over the timed span; on a "
         "2-core machine it shows how much of the machine each contender needs.",
     ]
     record, md = build_report(
         "transport", "transport — 3 MB batches over tcp loopback and ipc", results, [gbps],
         [RatioSpec(FUELLINE, BARE, 0.80), RatioSpec(NO_CHECKSUM, BARE, 0.80), RatioSpec(LOCAL, BARE_IPC, 0.80),
-         RatioSpec(LOCAL_NO_CHECKSUM, BARE_IPC, 0.80), RatioSpec(LOCAL, BARE), RatioSpec(FUELLINE, NO_CHECKSUM),
-         RatioSpec(BARE_IPC, BARE)],
+         RatioSpec(LOCAL_NO_CHECKSUM, BARE_IPC, 0.80), RatioSpec(FRESH, BARE, 0.80), RatioSpec(LOCAL_FRESH, BARE_IPC, 0.80),
+         RatioSpec(LOCAL, BARE), RatioSpec(FUELLINE, NO_CHECKSUM), RatioSpec(FUELLINE, FRESH),
+         RatioSpec(LOCAL, LOCAL_FRESH), RatioSpec(BARE_IPC, BARE)],
         parameters, notes, env, exits=exits,
     )
     print(md, flush=True)
