@@ -42,6 +42,11 @@ class Reusing:
             self.y[:] = np.arange(ROWS) + 1000 * self.calls + i
             yield (self.x, self.y)
 
+class SameEveryCall(Reusing):  # deterministic: a second call yields what the first did
+    def get_epoch_iterator(self, **kwargs):
+        self.calls = 0
+        return super().get_epoch_iterator(**kwargs)
+
 class Fresh(Reusing):
     def get_epoch_iterator(self, **kwargs):
         for x, y in super().get_epoch_iterator(**kwargs):
@@ -91,6 +96,15 @@ def test_a_rank_reading_later_gets_the_shared_pass_as_yielded(start_script, loca
     later = read_epoch(server.port, local, rank=1, world_size=2)  # from the batches the pass holds
     assert_exactly_as_yielded(first, list(range(0, BATCHES, 2)))
     assert_exactly_as_yielded(later, list(range(1, BATCHES, 2)))  # call 1: not a second pass
+
+
+def test_a_rank_that_reads_the_stream_again_gets_it_as_yielded(start_script) -> None:
+    """Nothing held (buffer_mb=0): the later rank's batches come from a second pass of its own."""
+    server = serve(start_script, stream=f"SameEveryCall({BATCHES})", options=", buffer_mb=0")
+    first = read_epoch(server.port, False, rank=0, world_size=2)
+    later = read_epoch(server.port, False, rank=1, world_size=2)
+    assert_exactly_as_yielded(first, list(range(0, BATCHES, 2)))
+    assert_exactly_as_yielded(later, list(range(1, BATCHES, 2)))
 
 
 def test_a_stream_of_fresh_arrays_is_served_without_the_copy(start_script) -> None:
