@@ -1,8 +1,8 @@
 """``python -m benchmarks [BENCHMARK] [--quick]``: run one benchmark, or all, then write the summary.
 
 Benchmarks: transport, parquet, windows, pipeline, overlap, scaling, scaleout, trainer, compression;
-convergence only when named (``python -m benchmarks convergence``, or ``python -m benchmarks.convergence``
-with its own options).
+convergence and cost only when named (``python -m benchmarks convergence``, or ``python -m benchmarks.convergence``
+with its own options; likewise ``cost``).
 Each writes ``<name>.json``, ``<name>.md`` and ``<name>.png`` to the results directory, and every
 run ends with ``summary.md`` and ``summary.png`` there. ``--quick`` runs them at tiny sizes with
 2 rounds (a check that they work, not a measurement), into a temporary directory unless
@@ -23,7 +23,8 @@ from benchmarks.common import DEFAULT_DATA_DIR, RESULTS_DIR, progress
 BENCHMARKS = ("transport", "parquet", "windows", "pipeline", "overlap", "scaling", "scaleout", "trainer", "compression")
 # Run only when named: 15 epochs per configuration and seed take many minutes, and --quick
 # cannot show convergence.
-BY_NAME_ONLY = ("convergence",)
+# cost: 34 server configurations, about a quarter of an hour at full size.
+BY_NAME_ONLY = ("convergence", "cost")
 QUICK = {"rounds": 2, "batches": 20, "gb": 0.005}
 
 
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("benchmark", nargs="?", choices=BENCHMARKS + BY_NAME_ONLY,
-                        help="which one (default: all but convergence)")
+                        help="which one (default: all but convergence and cost)")
     # Two rounds at least: a single run's figure says nothing about its own noise.
     parser.add_argument("--rounds", type=_at_least(2), default=5, help="timed rounds per contender (default 5)")
     parser.add_argument("--batches", type=_at_least(2), default=400,
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--results-dir", type=Path, default=None,
                         help="where <name>.json, .md and .png are written (default benchmarks/results; "
                              "with --quick, a new temporary directory)")
+    parser.add_argument("--before", metavar="REV", default=None,
+                        help="windows: also measure the served contenders as commit REV serves them (before and after)")
     parser.add_argument("--quick", action="store_true",
                         help=f"tiny sizes and {QUICK['rounds']} rounds: checks that every benchmark works")
     return parser
@@ -99,7 +102,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     elif name == "windows":
         from benchmarks import windows
 
-        print(f"wrote {plots.for_record(windows.run(rounds, data, results, quick=quick), results)}", flush=True)
+        print(f"wrote {plots.for_record(windows.run(rounds, data, results, quick=quick, before=args.before), results)}", flush=True)
     elif name == "pipeline":
         from benchmarks import pipeline
 
@@ -126,6 +129,10 @@ def run_one(name: str, args: argparse.Namespace) -> None:
 
         data.mkdir(parents=True, exist_ok=True)
         convergence.run(data, results, quick=quick)
+    elif name == "cost":
+        from benchmarks import cost
+
+        cost.run(rounds, data, results, quick=quick)
     else:
         from benchmarks import compression
 
