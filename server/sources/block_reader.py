@@ -32,16 +32,20 @@ class Column(Protocol):
 
 
 class BlockReader:
-    """One client's reader. It holds the block a batch draws from (and the next one, for a
-    batch that straddles two) as one table per column, so a shuffled batch is one gather per
-    column. ``submit`` goes through the source's shared decoded units, so each row group is
-    decoded once per epoch for all the ranks of a job, and once only while the decoded data
-    set fits ``decoded_cache_mb``. While a block is served, the next one
-    is decoded ahead (``submit``: on the source's read-ahead threads or worker processes), so
+    """One client's reader. It holds the decoded units of the block a batch draws from (and of
+    the next one, for a batch that straddles two) as they were decoded, and copies a shuffled
+    batch's rows straight from them: one copy per row. ``submit`` goes through the source's
+    shared decoded units, so each row group is decoded once per epoch for all the ranks of a
+    job, and once only while the decoded data set fits ``decoded_cache_mb``. While a block is
+    served, the next one is decoded ahead (``submit``: on the source's read-ahead threads or worker processes), so
     decoding overlaps sending; and ``prefetch`` hears of the units of the ``prefetch_blocks``
     blocks after that one, so remote shards can be fetched before they are decoded."""
 
     BLOCKS_HELD = 2
+    # Batches gathered at once (``gather_batches``), by bytes and by count: enough to pay the
+    # per-unit steps of a shuffled gather once for several batches, little against a block.
+    GATHER_BYTES = 4 * 2**20
+    GATHER_BATCHES = 16
 
     def __init__(
         self,
@@ -70,13 +74,8 @@ class BlockReader:
         self.n_blocks = -(-len(perm) // k)
         self.block_of_unit = np.empty(len(perm), dtype=np.int64)
         self.block_of_unit[perm] = np.arange(len(perm)) // k
-        # Where each unit's first row sits in its block's table.
-        lengths = unit_rows[perm]
-        within = np.cumsum(lengths) - lengths
-        block_start = within[(np.arange(len(perm)) // k) * k]
-        self.unit_pos = np.empty(len(perm), dtype=np.int64)
-        self.unit_pos[perm] = within - block_start
-        self.blocks: OrderedDict[int, dict[str, np.ndarray] | None] = OrderedDict()
+        # Per block held: its decoded units by unit (the lost ones left out).
+        self.blocks: OrderedDict[int, dict[int, dict[str, np.ndarray]]] = OrderedDict()
         self.pending: dict[int, list[tuple[int, Future | None]]] = {}
         self._read_ahead(0)  # the first block too: its units decode side by side, not one by one
 
@@ -127,62 +126,108 @@ class BlockReader:
                 self.on_loss(message)
             return None
 
-    def _build(self, b: int) -> dict[str, np.ndarray] | None:
+    def _build(self, b: int) -> dict[int, dict[str, np.ndarray]]:
         ahead = self.pending.pop(b, None)
         jobs = ahead if ahead is not None else self._submit_block(b)
-        parts = [(u, part) for u, part in ((u, self._result(u, f)) for u, f in jobs) if part is not None]
-        if not parts:
-            return None  # every unit of the block was lost: its rows are filtered out by gather
-        if len(jobs) == 1:
-            return parts[0][1]  # nothing to mix: the decoded arrays as they are
-        # Room for every unit of the block, lost ones too: rows sit at their units' positions, and
-        # gather never reads the rows of a lost unit.
-        rows = int(sum(self.unit_rows[u] for u, _ in jobs))
-        data = {c.name: np.empty((rows, *c.shape), dtype=c.dtype) for c in self.columns}
-        for u, part in parts:
-            lo = int(self.unit_pos[u])
-            for name in data:
-                data[name][lo : lo + len(part[name])] = part[name]
-        return data
+        # The decoded units as they are: a batch gathers its rows straight from them, so a row
+        # is copied once (into its batch), not twice (into a block table, then into a batch).
+        # A lost unit has no entry; gather never reads its rows.
+        return {u: part for u, part in ((u, self._result(u, f)) for u, f in jobs) if part is not None}
 
-    def block(self, b: int) -> dict[str, np.ndarray] | None:
+    def block(self, b: int) -> dict[int, dict[str, np.ndarray]]:
         if b in self.blocks:
-            data = self.blocks.pop(b)
+            units = self.blocks.pop(b)
         else:
-            data = self._build(b)
+            units = self._build(b)
             if len(self.blocks) >= self.BLOCKS_HELD:
                 self.blocks.popitem(last=False)
-        self.blocks[b] = data
+        self.blocks[b] = units
         self._read_ahead(b + 1)
-        return data
+        return units
+
+    def batches_at_once(self, batch_size: int) -> int:
+        """How many consecutive batches ``gather_batches`` should be given at a time: enough that
+        its per-unit, per-column steps are paid once for several batches, few enough that they
+        hold at most ``GATHER_BYTES`` (and ``GATHER_BATCHES``) before they are sent."""
+        row_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize for c in self.columns)
+        return int(max(1, min(self.GATHER_BATCHES, self.GATHER_BYTES // max(1, batch_size * row_bytes))))
 
     def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """One batch: the rows (global row ids, in batch order) as one array per column."""
+        return self.gather_batches(rows, max(1, len(rows)))[0]
+
+    def gather_batches(self, rows: np.ndarray, batch_size: int) -> list[dict[str, np.ndarray]]:
+        """Consecutive batches: ``rows`` cut every ``batch_size`` rows (the last cut may be
+        shorter), each as one array per column. Rows of a lost unit are left out of their batch.
+
+        A batch whose rows are a run of one unit in storage order is a view of that unit; the
+        others are copied from the units, a row at a time, into one buffer per column that they
+        are views of. Units are read by fancy indexing, which reads only the rows it is given:
+        a unit may be any array, a non-contiguous view included (windows of a signal).
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        ends = np.append(np.arange(batch_size, len(rows), batch_size), len(rows))
         units = np.searchsorted(self.unit_start, rows, side="right") - 1
-        pos = self.unit_pos[units] + (rows - self.unit_start[units])
+        offsets = rows - self.unit_start[units]
+        parts = self._parts(units)
+        if self.lost:
+            keep = ~np.isin(units, list(self.lost))
+            units, offsets = units[keep], offsets[keep]
+            ends = np.cumsum(keep)[ends - 1] if len(keep) else ends
+        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        # breaks[i]: how many times the sequence leaves a run of consecutive rows of one unit
+        # before position i; a batch is a run when none happens inside it.
+        follows = (units[1:] == units[:-1]) & (offsets[1:] == offsets[:-1] + 1)
+        breaks = np.concatenate([[0], np.cumsum(~follows)])
+        spans = list(zip(starts.tolist(), ends.tolist()))
+        runs = [hi > lo and breaks[hi - 1] == breaks[lo] for lo, hi in spans]
+        if any(runs):
+            pick = [np.arange(lo, hi) for (lo, hi), run in zip(spans, runs) if not run]
+            copy = np.concatenate(pick) if pick else np.empty(0, dtype=np.int64)
+            gathered = self._copy(units[copy], offsets[copy], parts)
+        else:
+            gathered = self._copy(units, offsets, parts)
+        batches: list[dict[str, np.ndarray]] = []
+        at = 0
+        for (lo, hi), run in zip(spans, runs):
+            if run:
+                # Views, no copy. Safe to send zero-copy: decoded units are never written to.
+                part, first = parts[int(units[lo])], int(offsets[lo])
+                batches.append({c.name: part[c.name][first : first + hi - lo] for c in self.columns})
+            else:
+                batches.append({name: arr[at : at + hi - lo] for name, arr in gathered.items()})
+                at += hi - lo
+        return batches
+
+    def _parts(self, units: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
+        """The decoded units (lost ones left out) of every block these units belong to."""
         blocks = self.block_of_unit[units]
         # In order of first appearance, so the block held longest is the one released first.
         _, firsts = np.unique(blocks, return_index=True)
-        tables = {int(b): self.block(int(b)) for b in blocks[np.sort(firsts)]}
-        if self.lost:
-            keep = ~np.isin(units, list(self.lost))
-            rows, units, pos, blocks = rows[keep], units[keep], pos[keep], blocks[keep]
-            if not len(rows):
-                return {c.name: np.empty((0, *c.shape), dtype=c.dtype) for c in self.columns}
-        first = int(blocks[0])
-        if (blocks == first).all():
-            table = tables[first]
-            lo = int(pos[0])
-            if pos[-1] - lo == len(pos) - 1 and (np.diff(pos) == 1).all():
-                # A run in storage order: views, no copy. Safe to send zero-copy, since block
-                # tables are never written to once built.
-                return {c.name: table[c.name][lo : lo + len(pos)] for c in self.columns}
-            return {c.name: table[c.name].take(pos, axis=0) for c in self.columns}
-        out = {c.name: np.empty((len(rows), *c.shape), dtype=c.dtype) for c in self.columns}
-        for b in np.unique(blocks):
-            mask = blocks == b
-            table = tables[int(b)]
+        parts: dict[int, dict[str, np.ndarray]] = {}
+        for b in blocks[np.sort(firsts)].tolist():
+            parts.update(self.block(b))
+        return parts
+
+    def _copy(self, units: np.ndarray, offsets: np.ndarray, parts: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        n = len(units)
+        if not n:
+            return {c.name: np.empty((0, *c.shape), dtype=c.dtype) for c in self.columns}
+        if units[0] == units[-1] and (units == units[0]).all():
+            part = parts[int(units[0])]
+            return {c.name: part[c.name][offsets] for c in self.columns}
+        out = {c.name: np.empty((n, *c.shape), dtype=c.dtype) for c in self.columns}
+        # Positions grouped by unit once, for every column: each unit is then one gather per
+        # column, whatever the number of rows drawn from it.
+        by_unit = np.argsort(units, kind="stable")
+        grouped = units[by_unit]
+        bounds = [0, *(np.flatnonzero(grouped[1:] != grouped[:-1]) + 1).tolist(), n]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            dest = by_unit[lo:hi]
+            src = offsets[dest]
+            part = parts[int(grouped[lo])]
             for c in self.columns:
-                out[c.name][mask] = table[c.name][pos[mask]]
+                out[c.name][dest] = part[c.name][src]
         return out
 
     def close(self) -> None:

@@ -227,10 +227,13 @@ class UnitSource(BatchSource):
             skip_bad=self.on_bad_shard == "skip", on_loss=on_loss,
             prefetch=lambda units: self.prefetch_units(split, units), prefetch_blocks=self.prefetch,
         )
+        step = reader.batches_at_once(self.batch_size)
         try:
-            for b in range(start, count):
-                batch = reader.gather(rows[b * self.batch_size : (b + 1) * self.batch_size])
-                yield self.finish_batch(split, batch, sources)
+            for b in range(start, count, step):
+                chunk = rows[b * self.batch_size : min(b + step, count) * self.batch_size]
+                # (A generator expression: no name here keeps a batch, and with it the buffers
+                # of its gather, alive while the next batches are gathered.)
+                yield from (self.finish_batch(split, batch, sources) for batch in reader.gather_batches(chunk, self.batch_size))
         finally:
             reader.close()
 
