@@ -9,6 +9,7 @@ loopback, so the ratio says what serving costs against reading the data yourself
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -16,13 +17,13 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, progress, time_batches
+from benchmarks.common import DEFAULT_DATA_DIR, RESULTS_DIR, Contender, Round, ServerProcess, alternate, progress, time_batches
 from benchmarks.report import Metric, RatioSpec, build_report, environment, write_results
 from fuelline.client import ServerDataStream
 from fuelline.server.sources.sample import write_sample_dataset
@@ -43,6 +44,8 @@ HWM = 10
 TIMEOUT_S = 60.0
 
 IN_PROCESS, SERVE_ORDERED, SERVE_SHUFFLED = "in-process pyarrow", "fuelline serve --no-shuffle", "fuelline serve (shuffled)"
+SERVE_SHUFFLED_BEFORE = "fuelline serve (shuffled), --before checkout"
+SHUFFLED_TARGET = 0.90
 
 
 # -- the dataset -----------------------------------------------------------------------------------
@@ -118,11 +121,31 @@ def in_process_round(files: list[Path], train_rows: int) -> Round:
 
 
 # -- fuelline serve ------------------------------------------------------------------------------
-def serve_process(name: str, dataset: Path, shuffle: bool, log_dir: Path) -> ServerProcess:
-    argv = [sys.executable, "-m", "fuelline.server.cli", "serve", str(dataset), "--port", "0",
+def serve_process(name: str, dataset: Path, shuffle: bool, log_dir: Path, checkout: Path | None = None) -> ServerProcess:
+    """``fuelline serve`` of this tree, or of ``checkout`` (another revision's working tree) when given."""
+    python = [sys.executable, "-m", "fuelline.server.cli"] if checkout is None else _checkout_python(checkout, log_dir)
+    argv = [*python, "serve", str(dataset), "--port", "0",
             "--batch-size", str(BATCH_SIZE), "--hwm", str(HWM), "--shuffle" if shuffle else "--no-shuffle",
             "--decoded-cache-mb", "0"]  # like in-process pyarrow, every round reads the files again
-    return ServerProcess(name, argv, log_dir / f"{'shuffled' if shuffle else 'ordered'}.log")
+    log = f"{'shuffled' if shuffle else 'ordered'}{'' if checkout is None else '-before'}.log"
+    return ServerProcess(name, argv, log_dir / log)
+
+
+def _checkout_python(checkout: Path, scratch: Path) -> list[str]:
+    """A command line that runs the fuelline CLI of ``checkout``: its top-level folders are the
+    ``fuelline.*`` packages (setup.cfg maps them), so a folder of links named as those packages,
+    put first on sys.path, is found before this tree's editable install."""
+    checkout = checkout.resolve()
+    if not (checkout / "server" / "cli" / "__main__.py").is_file():
+        raise FileNotFoundError(f"--before {checkout}: not a checkout of this project (no server/cli/__main__.py)")
+    links = scratch / "before-links" / "fuelline"
+    links.mkdir(parents=True, exist_ok=True)
+    for folder in ("protocol", "client", "server", "trainer"):
+        if not (links / folder).exists():
+            (links / folder).symlink_to(checkout / folder)
+    boot = (f"import runpy, sys; sys.path.insert(0, {str(links.parent)!r}); "
+            "runpy.run_module('fuelline.server.cli', run_name='__main__', alter_sys=True)")
+    return [sys.executable, "-c", boot]
 
 
 def served_round(server: ServerProcess, train_rows: int) -> Round:
@@ -141,8 +164,10 @@ def _checked(r: Round, train_rows: int, who: str) -> Round:
 
 
 # -- the benchmark ----------------------------------------------------------------------------------
-def run(rounds: int, gb: float, data_dir: Path, results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
-    """Run the Parquet benchmark, print its table and write its results; returns the record."""
+def run(rounds: int, gb: float, data_dir: Path, results_dir: Path = RESULTS_DIR, before: Path | None = None) -> dict[str, Any]:
+    """Run the Parquet benchmark, print its table and write its results; returns the record.
+    With ``before`` (a checkout of another revision), its shuffled server runs too, in the same
+    rounds, for a before/after comparison."""
     env = environment()
     dataset, generation = ensure_dataset(data_dir, gb)
     files = train_files(dataset)
@@ -156,11 +181,16 @@ def run(rounds: int, gb: float, data_dir: Path, results_dir: Path = RESULTS_DIR)
             Contender(SERVE_ORDERED, lambda: served_round(ordered, train_rows)),
             Contender(SERVE_SHUFFLED, lambda: served_round(shuffled, train_rows)),
         ]
+        servers = [ordered, shuffled]
+        if before is not None:
+            earlier = stack.enter_context(serve_process(SERVE_SHUFFLED_BEFORE, dataset, True, Path(logs), before))
+            servers.append(earlier)
+            contenders.append(Contender(SERVE_SHUFFLED_BEFORE, lambda: served_round(earlier, train_rows)))
         rows_s = Metric("rows/s", lambda r: r.rows / r.seconds, "{:,.0f}")
         mb_s = Metric("MB/s", lambda r: r.bytes / r.seconds / 1e6, "{:,.0f}")
         results = alternate(contenders, rounds, lambda r: f"{rows_s.of(r):,.0f} rows/s, {mb_s.of(r):,.0f} MB/s")
         stack.close()  # stop the servers now: their exit status belongs in the record
-        exits = {SERVE_ORDERED: ordered.exit_status, SERVE_SHUFFLED: shuffled.exit_status}
+        exits = {server.name: server.exit_status for server in servers}
     disk = sum(f.stat().st_size for f in files)
     parameters = {
         "rounds": rounds, "gb": gb, "dataset": str(dataset), "train_files": len(files), "train_rows": train_rows,
@@ -188,12 +218,46 @@ def run(rounds: int, gb: float, data_dir: Path, results_dir: Path = RESULTS_DIR)
         "CPU s/GB adds the consumer's and the server's CPU time (all threads, /proc) over the timed span; "
         "in-process has no server.",
     ]
+    ratios = [RatioSpec(SERVE_ORDERED, IN_PROCESS, 0.80), RatioSpec(SERVE_SHUFFLED, IN_PROCESS, SHUFFLED_TARGET)]
+    if before is not None:
+        ratios += [RatioSpec(SERVE_SHUFFLED_BEFORE, IN_PROCESS, SHUFFLED_TARGET), RatioSpec(SERVE_SHUFFLED, SERVE_SHUFFLED_BEFORE)]
+        notes.append(f"{SERVE_SHUFFLED_BEFORE}: the same server run from {before.resolve()} (another revision), "
+                     "in the same rounds, for a before/after comparison.")
     record, md = build_report(
         "parquet", f"parquet — one epoch of a {train_rows * ROW_BYTES / 1e9:.2f} GB train split", results,
-        [rows_s, mb_s], [RatioSpec(SERVE_ORDERED, IN_PROCESS, 0.80), RatioSpec(SERVE_SHUFFLED, IN_PROCESS, 0.80)],
+        [rows_s, mb_s], ratios,
         parameters, notes, env, exits=exits, extra={"generation": generation},
     )
     print(md, flush=True)
     for path in write_results("parquet", record, md, results_dir):
         print(f"wrote {path}", flush=True)
     return record
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.parquet_path", description=__doc__)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per contender (default 5, at least 2)")
+    parser.add_argument("--gb", type=float, default=1.0, help="GB of in-memory numbers in the train split (default 1.0)")
+    parser.add_argument("--quick", action="store_true", help="a small run: 0.05 GB, 2 rounds (a check, not a measurement)")
+    parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="where the dataset is generated and reused")
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="where parquet.json/.md are written (default benchmarks/results; with --quick or "
+                             "--before, a new temporary directory)")
+    parser.add_argument("--before", type=Path, default=None, metavar="CHECKOUT",
+                        help="also serve shuffled from this checkout of another revision (e.g. made with "
+                             "`git worktree add /tmp/parquet-before HEAD`), in the same rounds")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.gb = 2, 0.05
+    if args.rounds < 2 or not args.gb > 0:
+        parser.error("--rounds must be >= 2 and --gb > 0")
+    results_dir = args.results_dir
+    if results_dir is None:
+        quiet = args.quick or args.before is not None  # the published figures come from a plain run
+        results_dir = Path(tempfile.mkdtemp(prefix="fuelline-bench-parquet-")) if quiet else RESULTS_DIR
+    run(args.rounds, args.gb, args.data_dir, results_dir, before=args.before)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
