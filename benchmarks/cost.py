@@ -16,8 +16,8 @@ default budget, which holds these datasets from the untimed warm-up round on):
    fewer, longer recordings;
 3. window length: ``--window 1, 2, 4, 8``, ``--hop 1``;
 4. ``--workers 0, 1, 2, 4``;
-5. and, for memory per cache MB, ``--decoded-cache-mb 0, 32, 64, 128, 256`` on 128 recordings,
-   whose decoded split is larger than every budget, so each fills.
+5. and, for memory per cache MB, ``--decoded-cache-mb 0, 32, 64, 128, 192`` on 128 recordings
+   × 60 s, whose decoded split (about 250 MB) is larger than every budget, so each fills.
 
 One server per point for its whole dimension (no point inherits another's peak memory); rounds
 alternate over a dimension's points (A B C … A B C …) and medians are taken over them.
@@ -75,7 +75,7 @@ def sizes(quick: bool) -> Sizes:
     if quick:
         return Sizes((1, 2), (10, 20), 80, (1, 2), (0, 1), 20, 200, (0, 1, 2), 4)
     return Sizes((1, 2, 4, 8, 16), (30, 60, 120, 240), 960, (1, 2, 4, 8), (0, 1, 2, 4), 60, 12000,
-                 (0, 32, 64, 128, 256), 128)
+                 (0, 32, 64, 128, 192), 128)
 
 
 @dataclass(frozen=True)
