@@ -126,14 +126,14 @@ def copy_with_checksum(value: Any) -> tuple[np.ndarray, int]:
         for start in range(0, dst.size, COPY_BLOCK):
             block = dst[start:start + COPY_BLOCK]
             block[...] = flat[start:start + COPY_BLOCK]
-            h.update(block)
+            h.update(block.data)
     elif src.ndim:
         # Strided: whole rows of the leading axis at a time, about a block's worth.
         rows = max(1, COPY_BLOCK // max(1, out[0].nbytes))
         for start in range(0, len(out), rows):
             block = out[start:start + rows]
             block[...] = src[start:start + rows]
-            h.update(block.reshape(-1).view(np.uint8))
+            h.update(block.reshape(-1).view(np.uint8).data)
     return out, h.intdigest()
 
 
