@@ -85,7 +85,7 @@ def test_window_spec_rejects_nonsense() -> None:
 def test_resample_matches_each_window_resampled_on_its_own(nearest: bool, hop: float) -> None:
     """Windows cut from one shared grid (hop a whole number of periods) hold what resampling each
     window on its own grid gives; so do windows of a hop that is not, which take that route."""
-    from fuelline.server.multimodal.align import _on_grid, _shared_step
+    from fuelline.server.multimodal.align import _shared_step, sample_on_grid
 
     sig = probe_signal(128, 0.0, 40, drift_ppm=40, jitter_s=0.0003, nearest=nearest, seed=3)
     spec = WindowSpec(2.0, hop, 2)
@@ -93,7 +93,7 @@ def test_resample_matches_each_window_resampled_on_its_own(nearest: bool, hop: f
     starts = v.starts[v.valid][::2]  # every other window: gaps between the ones asked for
     assert (_shared_step(sig, starts, spec) is not None) == (hop == 1.0)
     n = spec.points(sig.rate)
-    own = np.stack([_on_grid(sig, s + np.arange(n) / sig.rate) for s in starts])  # (windows, points, channels)
+    own = np.stack([sample_on_grid(sig, s + np.arange(n) / sig.rate) for s in starts])  # (windows, points, channels)
     np.testing.assert_allclose(resample(sig, starts, spec), own, rtol=0, atol=1e-9)
     channels_first = resample(sig, starts, spec, channels_first=True)
     assert channels_first.flags.c_contiguous

@@ -210,14 +210,32 @@ def _rewrite_x(src: Path, dst: Path, make_x) -> None:
                 w.write_table(t, row_group_size=t.num_rows)
 
 
-def test_a_format_1_dataset_serves_the_same_windows(probed: Path, tmp_path: Path) -> None:
+def _as_older_format(dataset: Path, fmt: str) -> None:
+    """Make a converted dataset look as an earlier version wrote it: no grids, an older format."""
+    manifest = json.loads((dataset / "manifest.json").read_text())
+    manifest["format"] = fmt
+    for r in manifest["recordings"]:
+        for p in r["modalities"].values():
+            del p["grid_file"], p["grid_points"]
+    (dataset / "manifest.json").write_text(json.dumps(manifest))
+    for grid in dataset.glob("*/grid-*.arrow"):
+        grid.unlink()
+
+
+def test_a_format_1_dataset_is_refused_until_upgraded_then_serves_the_same_windows(probed: Path, tmp_path: Path) -> None:
     import pyarrow as pa
+
+    from fuelline.protocol import DataError
 
     old = tmp_path / "format1"
     _rewrite_x(probed, old, lambda s: pa.FixedSizeListArray.from_arrays(pa.array(s.reshape(-1)), s.shape[1]))
-    manifest = json.loads((old / "manifest.json").read_text())
-    manifest["format"] = "fuelline-multimodal/1"
-    (old / "manifest.json").write_text(json.dumps(manifest))
+    _as_older_format(old, "fuelline-multimodal/1")
+    with pytest.raises(DataError, match=rf"format 'fuelline-multimodal/1' predates .*`fuelline upgrade {old}`"):
+        WindowSource(str(old))
+    done = subprocess.run([sys.executable, "-m", "fuelline.server.cli", "upgrade", str(old)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "from fuelline-multimodal/1 to fuelline-multimodal/3" in done.stdout
     new_src, old_src = WindowSource(str(probed), seed=3), WindowSource(str(old), seed=3)
     a, b = (list(src.iter_batches("train", 0, 0, 1, 0, SOURCES)) for src in (new_src, old_src))
     assert len(a) == len(b) > 0
@@ -237,4 +255,5 @@ def test_an_x_column_of_the_wrong_width_is_named(probed: Path, tmp_path: Path) -
     _rewrite_x(probed, bad, lambda s: pa.FixedSizeBinaryArray.from_buffers(
         pa.binary(4 * (s.shape[1] - 1) or 4), len(s), [None, pa.py_buffer(np.ascontiguousarray(s[:, :-1] if s.shape[1] > 1 else s).tobytes())]))
     with pytest.raises(DataError, match=r"shard .*part-00000\.parquet, row group \d+ \(recording .*\): column x is fixed_size_binary"):
-        list(WindowSource(str(bad)).iter_batches("train", 0, 0, 1, 0, SOURCES))
+        # (a hop that is no whole number of EEG periods: those windows are resampled from x)
+        list(WindowSource(str(bad), hop=0.3).iter_batches("train", 0, 0, 1, 0, SOURCES))

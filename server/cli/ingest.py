@@ -1,4 +1,4 @@
-"""``fuelline synth`` and ``fuelline convert``: the ingest writers on the command line."""
+"""``fuelline synth``, ``fuelline convert`` and ``fuelline upgrade``: the ingest writers on the command line."""
 
 from __future__ import annotations
 
@@ -12,13 +12,40 @@ from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.synth import synthesize
 from fuelline.server.multimodal.manifest import Manifest
 
-__all__ = ["register", "register_synth", "register_convert", "run_synth", "run_convert", "summary"]
+__all__ = ["register", "register_synth", "register_convert", "register_upgrade", "run_synth", "run_convert", "run_upgrade", "summary"]
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    """Add ``synth`` and ``convert``; each sets ``func`` (args -> exit status) as its default."""
+    """Add ``synth``, ``convert`` and ``upgrade``; each sets ``func`` (args -> exit status) as its default."""
     register_synth(sub)
     register_convert(sub)
+    register_upgrade(sub)
+
+
+def register_upgrade(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Add ``fuelline upgrade DATASET``."""
+    p = sub.add_parser(
+        "upgrade", help="bring a dataset converted by an earlier version to the current format, in place",
+        description="Bring a dataset converted by an earlier version to the current format, in place: add the "
+                    "master grids servers cut windows from, beside the Parquet shards, which stay as they are. "
+                    "The new manifest replaces the old one by an atomic rename, the only moment the dataset "
+                    "changes; an upgrade that fails leaves the dataset as it was.",
+    )
+    p.add_argument("dataset", metavar="DATASET", help="a local converted dataset (the folder with manifest.json)")
+    p.set_defaults(func=run_upgrade)
+
+
+def run_upgrade(args: argparse.Namespace) -> int:
+    from fuelline.server.ingest.upgrade import upgrade
+
+    start = time.perf_counter()
+    manifest, was = upgrade(args.dataset)
+    if was == manifest.format:
+        print(f"{args.dataset} is already {manifest.format}; nothing to do")
+    else:
+        print(f"upgraded {args.dataset} from {was} to {manifest.format} in {time.perf_counter() - start:.1f}s: "
+              f"{len(manifest.recordings)} recordings, {manifest.dataset_bytes / 1e6:.1f} MB")
+    return 0
 
 
 def register_synth(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:

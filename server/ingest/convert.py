@@ -26,10 +26,13 @@ from tqdm import tqdm
 from fuelline.protocol import DataError, OptionError
 from fuelline.protocol.common.atomic import atomic_directory
 from fuelline.server.ingest.rawformat import RawDataset, RawRecording, RawSignal, check_same_channels
+from fuelline.server.multimodal.align import Signal
+from fuelline.server.multimodal.grid import GridWriter, grid_file, recording_grids
 from fuelline.server.multimodal.manifest import (
     EMOTIONS,
     MANIFEST_NAME,
     MODALITIES,
+    NEAREST,
     Manifest,
     Modality,
     Placement,
@@ -109,15 +112,24 @@ def _schema(channels: int) -> pa.Schema:
     return pa.schema([pa.field("t", pa.float64(), nullable=False), x])
 
 
-def _table(signal: RawSignal) -> pa.Table:
-    n, c = signal.x.shape
-    samples = np.ascontiguousarray(signal.x, dtype="<f4")
+def _table(t: np.ndarray, samples: np.ndarray) -> pa.Table:
+    n, c = samples.shape
     x = pa.FixedSizeBinaryArray.from_buffers(pa.binary(4 * c), n, [None, pa.py_buffer(samples)])
-    return pa.Table.from_arrays([pa.array(signal.t, pa.float64()), x], schema=_schema(c))
+    return pa.Table.from_arrays([pa.array(t, pa.float64()), x], schema=_schema(c))
+
+
+def _stored(signals: Mapping[str, RawSignal]) -> dict[str, Signal]:
+    """The signals as a server reads them back: float64 times, little-endian float32 samples."""
+    return {
+        m: Signal(np.asarray(s.t, dtype=np.float64), np.ascontiguousarray(s.x, dtype="<f4"), float(MODALITIES[m]),
+                  nearest=m in NEAREST)
+        for m, s in signals.items()
+    }
 
 
 class _Shard:
-    """One shard's files, one per modality; each appended recording becomes one row group in each.
+    """One shard's files, two per modality; each appended recording becomes one row group of its
+    Parquet file and one record batch of its grid file (``fuelline.server.multimodal.grid``).
 
     Writers open lazily because video's channel count is known only once a recording is read.
     """
@@ -127,6 +139,7 @@ class _Shard:
         self.files = {m: f"{m}/part-{number:05d}.parquet" for m in MODALITIES}
         self.row_groups = 0
         self._writers: dict[str, pq.ParquetWriter] = {}
+        self._grids = {m: GridWriter(os.path.join(root, grid_file(f))) for m, f in self.files.items()}
 
     def _writer(self, modality: str, channels: int) -> pq.ParquetWriter:
         if modality not in self._writers:
@@ -138,19 +151,23 @@ class _Shard:
 
     def append(self, signals: Mapping[str, RawSignal]) -> dict[str, Placement]:
         placements = {}
-        for modality, signal in signals.items():
-            table = _table(signal)
+        stored = _stored(signals)
+        grids = recording_grids(stored)
+        for modality, signal in stored.items():
+            table = _table(signal.t, signal.x)
             # One call, one row group: a recording is never split across row groups.
             self._writer(modality, signal.x.shape[1]).write_table(table, row_group_size=table.num_rows)
+            self._grids[modality].append(grids[modality])
             placements[modality] = Placement(
                 file=self.files[modality], row_group=self.row_groups, rows=table.num_rows,
                 t_first=float(signal.t[0]), t_last=float(signal.t[-1]),
+                grid_file=grid_file(self.files[modality]), grid_points=grids[modality].shape[0 if signal.nearest else 1],
             )
         self.row_groups += 1
         return placements
 
     def close(self) -> None:
-        for writer in self._writers.values():
+        for writer in (*self._writers.values(), *self._grids.values()):
             writer.close()
 
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from fuelline.protocol.errors import OptionError
 
-__all__ = ["Signal", "WindowSpec", "Validity", "candidate_starts", "validity", "resample"]
+__all__ = ["Signal", "WindowSpec", "Validity", "candidate_starts", "validity", "resample", "sample_on_grid"]
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def validity(signals: dict[str, Signal], spec: WindowSpec) -> Validity:
     return Validity(starts=starts, valid=reason == "", reason=reason)
 
 
-def _on_grid(sig: Signal, grid: np.ndarray) -> np.ndarray:
+def sample_on_grid(sig: Signal, grid: np.ndarray) -> np.ndarray:
     """Samples of ``sig`` at the master times ``grid`` (1-d): (points, channels)."""
     if sig.nearest:
         j = np.clip(np.searchsorted(sig.t, grid), 1, len(sig.t) - 1)
@@ -143,11 +143,11 @@ def resample(sig: Signal, starts: np.ndarray, spec: WindowSpec, channels_first: 
     shared = _shared_step(sig, starts, spec)
     if shared is None:
         grid = starts[:, None] + np.arange(n) / sig.rate  # (windows, points), master seconds
-        out = _on_grid(sig, grid.reshape(-1)).reshape(len(starts), n, sig.x.shape[1])
+        out = sample_on_grid(sig, grid.reshape(-1)).reshape(len(starts), n, sig.x.shape[1])
         return np.ascontiguousarray(out.transpose(0, 2, 1)) if channels_first else out
     step, hops = shared
     grid = starts[0] + np.arange(int(hops[-1]) * step + n) / sig.rate
-    values = _on_grid(sig, grid)  # (points, channels)
+    values = sample_on_grid(sig, grid)  # (points, channels)
     if channels_first:
         values = np.ascontiguousarray(values.T)  # (channels, points)
         windows = np.lib.stride_tricks.sliding_window_view(values, n, axis=1)[:, ::step]  # (channels, hops, n)

@@ -8,8 +8,10 @@ Layout of a converted dataset::
                                       columns ``t`` (float64, master-clock seconds, ascending) and
                                       ``x``: one sample per row, its channels as little-endian
                                       float32, in a fixed_size_binary[4 * channels] column
-                                      (format 2; format 1, still read, held a
-                                      fixed_size_list<float32>[channels])
+                                      (format 1 held a fixed_size_list<float32>[channels])
+      <modality>/grid-NNNNN.arrow     the same recordings resampled onto their master grids, one
+                                      record batch per row group (format 3,
+                                      ``fuelline.server.multimodal.grid``)
 
 The manifest says everything a server needs before reading a sample: the modalities (nominal
 rate, channel names), the emotions, each recording (metadata, split, and per modality where its
@@ -32,9 +34,11 @@ if TYPE_CHECKING:
 __all__ = [
     "FORMAT",
     "READABLE_FORMATS",
+    "UPGRADABLE_FORMATS",
     "MANIFEST_NAME",
     "EMOTIONS",
     "MODALITIES",
+    "NEAREST",
     "EEG_CHANNELS",
     "Modality",
     "Placement",
@@ -43,15 +47,18 @@ __all__ = [
     "is_converted_dataset",
 ]
 
-FORMAT = "fuelline-multimodal/2"
+FORMAT = "fuelline-multimodal/3"
 # Format 1 stored ``x`` as a Parquet list, whose repetition levels cost more to decode than the
-# samples themselves; servers still read it.
-READABLE_FORMATS = ("fuelline-multimodal/1", FORMAT)
+# samples themselves. Formats 1 and 2 lack the master grids a server slices windows from: a server
+# refuses them, naming ``fuelline upgrade``, which adds the grids in place.
+READABLE_FORMATS = (FORMAT,)
+UPGRADABLE_FORMATS = ("fuelline-multimodal/1", "fuelline-multimodal/2")
 MANIFEST_NAME = "manifest.json"
 EMOTIONS = ("neutral", "happiness", "sadness", "surprise", "anger", "fear")
 EEG_CHANNELS = ("AF3", "F7", "F3", "FC5", "T7", "P7", "O1", "O2", "P8", "T8", "FC6", "F4", "F8", "AF4")
 # Nominal rates in Hz, in the order modalities are served.
 MODALITIES = {"eeg": 128, "ecg": 256, "gsr": 4, "video": 30}
+NEAREST = frozenset({"video"})  # resampled by nearest frame, not interpolation; served (points, features)
 
 
 @dataclass(frozen=True)
@@ -76,12 +83,17 @@ class Placement:
     rows: int
     t_first: float  # master-clock seconds of the first and last sample
     t_last: float
+    grid_file: str = ""  # the recording on its master grid: record batch ``row_group`` of this file
+    grid_points: int = 0  # (format 3; empty in the formats before)
 
     def __post_init__(self) -> None:
         # A manifest must not point a server at files outside its dataset.
-        parts = self.file.replace("\\", "/").split("/")
-        if os.path.isabs(self.file) or ".." in parts or not self.file:
-            raise ValueError(f"file {self.file!r} must be a path inside the dataset")
+        for name in (self.file, self.grid_file):
+            parts = name.replace("\\", "/").split("/")
+            if os.path.isabs(name) or ".." in parts or (not name and name is self.file):
+                raise ValueError(f"file {name!r} must be a path inside the dataset")
+        if self.grid_points < 0 or bool(self.grid_file) != (self.grid_points > 0):
+            raise ValueError(f"placement in {self.file!r} has grid {self.grid_file!r} of {self.grid_points} points")
         if self.row_group < 0 or self.rows < 1 or not self.t_first <= self.t_last:
             raise ValueError(f"placement in {self.file!r} has row group {self.row_group}, {self.rows} rows, "
                              f"times {self.t_first}..{self.t_last}")
@@ -156,10 +168,17 @@ class Manifest:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], where: str = MANIFEST_NAME) -> "Manifest":
+    def from_json(cls, data: Mapping[str, Any], where: str = MANIFEST_NAME,
+                  formats: tuple[str, ...] = READABLE_FORMATS) -> "Manifest":
+        """The manifest of ``data`` (``where`` names it in errors), if its format is one of ``formats``."""
         try:
-            if data.get("format") not in READABLE_FORMATS:
-                raise DataError(f"{where}: format {data.get('format')!r} is not one of {list(READABLE_FORMATS)}")
+            found = data.get("format")
+            if found in UPGRADABLE_FORMATS and found not in formats:
+                dataset = os.path.dirname(where) or "."
+                raise DataError(f"{where}: format {found!r} predates {FORMAT!r}, which this version serves; "
+                                f"`fuelline upgrade {dataset}` adds what it lacks, in place")
+            if found not in formats:
+                raise DataError(f"{where}: format {found!r} is not one of {list(formats)}")
             modalities = {
                 k: Modality(k, int(v["rate"]), tuple(v["channels"])) for k, v in data["modalities"].items()
             }
@@ -171,6 +190,11 @@ class Manifest:
                 )
                 for r in data["recordings"]
             )
+            if found == FORMAT:
+                for r in recordings:
+                    for k, p in r.modalities.items():
+                        if not p.grid_file:
+                            raise ValueError(f"recording {r.id!r}, {k}: no grid (format {FORMAT} has one per placement)")
             return cls(
                 modalities=modalities, recordings=recordings, stats=data["stats"],
                 source_bytes=int(data["source_bytes"]), dataset_bytes=int(data["dataset_bytes"]),
@@ -188,7 +212,7 @@ class Manifest:
             json.dump(self.to_json(), f, indent=1)
 
     @classmethod
-    def load(cls, root: "str | Store") -> "Manifest":
+    def load(cls, root: "str | Store", formats: tuple[str, ...] = READABLE_FORMATS) -> "Manifest":
         """The manifest of a dataset: a local path, a URI (``s3://…``) or a ``Store``."""
         from fuelline.server.sources.storage import Store
 
@@ -202,7 +226,7 @@ class Manifest:
             raise DataError(f"{path}: not valid JSON ({exc})") from None
         except json.JSONDecodeError as exc:
             raise DataError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
-        return cls.from_json(data, where=path)
+        return cls.from_json(data, where=path, formats=formats)
 
 
 def is_converted_dataset(path: "str | Store") -> bool:

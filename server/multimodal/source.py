@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError, OptionError
 from fuelline.server.multimodal.align import Signal, Validity, WindowSpec, resample, validity
-from fuelline.server.multimodal.manifest import MODALITIES, Manifest, Recording
+from fuelline.server.multimodal.grid import cut_windows, grid_arrays, points_per_hop, shaped
+from fuelline.server.multimodal.manifest import MODALITIES, NEAREST, Manifest, Recording
 from fuelline.server.multimodal.stages import Cast, Normalize, Pipeline, Stage
 from fuelline.server.sources.blocks import UnitSource
 from fuelline.server.sources.fingerprint import (
@@ -37,15 +38,14 @@ from fuelline.server.sources.fingerprint import (
 from fuelline.server.sources.options import SourceOptions
 from fuelline.server.sources.storage import Store, storage_info
 
-__all__ = ["WindowSource", "SAMPLE_ID_STRIDE"]
+__all__ = ["WindowSource", "SAMPLE_ID_STRIDE", "stored_samples"]
 
 log = logging.getLogger("fuelline.server")
 
 SAMPLE_ID_STRIDE = 1_000_000  # windows per recording that sample ids leave room for
-NEAREST = {"video"}  # modalities resampled by nearest frame, not interpolation
 
 
-def _samples(column: Any, channels: int, where: str) -> np.ndarray:
+def stored_samples(column: Any, channels: int, where: str) -> np.ndarray:
     """A row group's ``x`` column as (samples, channels) float32: fixed-size binary rows of
     little-endian float32 (format 2) are viewed where they lie; fixed-size lists (format 1) are
     flattened."""
@@ -90,7 +90,8 @@ class WindowSource(UnitSource):
         cache_dir, cache_mb: the disk cache of a remote dataset (``fuelline.server.cache.disk``).
     """
 
-    _serving_only = ("pipeline",)  # the per-batch stages run here, never in worker processes
+    # The per-batch stages run here, never in worker processes; mapped files are not copied there.
+    _serving_only = ("pipeline", "per_batch", "_grid_files")
 
     def __init__(
         self,
@@ -118,10 +119,20 @@ class WindowSource(UnitSource):
         missing = sorted(set(MODALITIES) - set(self.modalities))
         if missing:
             raise DataError(f"{self.store.where()}: the manifest lacks modalities {missing}")
-        # Normalisation works window by window, so it runs per recording, in place, where the
-        # windows are made; the user's stages and the cast run per batch.
-        self.per_recording = Pipeline([Normalize(self.manifest.stats, in_place=True)] if normalize == "zscore" else [])
-        self.pipeline = Pipeline([*stages, Cast()])
+        # Windows are cut from each modality's master grid where the hop is a whole number of its
+        # periods (``fuelline.server.multimodal.grid``), else resampled one by one.
+        self.steps = {m: points_per_hop(self.spec, self.manifest.modalities[m].rate) for m in self.modalities}
+        # Normalisation works sample by sample: in place on freshly resampled windows, where
+        # they are made; for windows cut from a grid, in place on each gathered batch, so that
+        # decoding a recording is no more than mapping its grids. Then, per batch, the user's
+        # stages and the cast.
+        resampled = [m for m in self.modalities if self.steps[m] is None]
+        sliced = [m for m in self.modalities if self.steps[m] is not None]
+        zscore = normalize == "zscore"
+        self.per_recording = Pipeline([Normalize(self.manifest.stats, True, resampled)] if zscore and resampled else [])
+        self.per_batch = Pipeline([Normalize(self.manifest.stats, True, sliced)] if zscore and sliced else [])
+        self.pipeline = Pipeline([*self.per_batch.stages, *stages, Cast()])
+        self._grid_files: dict[str, Any] = {}  # local grid files, mapped once
         self.stage_names = [callable_name(s) for s in stages]  # as --stage names them, for the fingerprint
         self._base = self._base_columns()
         self._splits = {name: self._scan(name) for name in self.manifest.splits}
@@ -164,14 +175,35 @@ class WindowSource(UnitSource):
         except Exception as exc:
             raise DataError(f"shard {path}, row group {p.row_group} (recording {rec.id}, {modality}): {exc}") from None
 
-    def _signals(self, rec: Recording, with_samples: bool) -> dict[str, Signal]:
+    def _grid(self, rec: Recording, modality: str) -> np.ndarray:
+        """A recording's master grid of one modality, as stored: (channels, points), or (points,
+        features) for video; a read-only view of the mapped file."""
+        p = rec.modalities[modality]
+        channels = len(self.manifest.modalities[modality].channels)
+        shape = (p.grid_points, channels) if modality in NEAREST else (channels, p.grid_points)
+        where = f"grid {self.store.where(p.grid_file)}"
+        if self._grid_files is None:  # (a worker process's copy)
+            self._grid_files = {}
+        # A local file is mapped once and for all; a remote one's disk-cache copy each time (the
+        # cache may replace it).
+        grids = self._grid_files.get(p.grid_file)
+        if grids is None:
+            try:
+                grids = grid_arrays(self.store.open_local(p.grid_file), where)
+            except OSError as exc:
+                raise DataError(f"{where}: {exc}") from None
+            if not self.store.remote:
+                grids = self._grid_files.setdefault(p.grid_file, grids)
+        return shaped(grids, p.row_group, shape, f"{where} (recording {rec.id}, {modality})")
+
+    def _signals(self, rec: Recording, with_samples: bool, only: Sequence[str] | None = None) -> dict[str, Signal]:
         out = {}
-        for m in self.modalities:
+        for m in self.modalities if only is None else only:
             table = self._read(rec, m, ["t", "x"] if with_samples else ["t"], ranged=not with_samples)
             t = table.column("t").to_numpy()
             if with_samples:
                 p = rec.modalities[m]
-                x = _samples(table.column("x"), len(self.manifest.modalities[m].channels),
+                x = stored_samples(table.column("x"), len(self.manifest.modalities[m].channels),
                              f"shard {self.store.where(p.file)}, row group {p.row_group} (recording {rec.id}, {m})")
             else:
                 x = np.empty((len(t), 0), dtype=np.float32)
@@ -213,15 +245,33 @@ class WindowSource(UnitSource):
         v = split.windows[u]
         k = np.flatnonzero(v.valid)[:limit]
         starts = v.starts[k]
-        signals = self._signals(rec, with_samples=True)
+        resampled = [m for m in self.modalities if self.steps[m] is None]
+        signals = self._signals(rec, with_samples=True, only=resampled) if resampled else {}
+        # video (windows, points, features), the others (windows, channels, points)
+        made = {m: resample(sig, starts, self.spec, channels_first=m not in NEAREST) for m, sig in signals.items()}
+        made = self.per_recording(made)
         out: dict[str, np.ndarray] = {}
-        for m, sig in signals.items():
-            # video (windows, points, features), the others (windows, channels, points)
-            out[m] = resample(sig, starts, self.spec, channels_first=m not in NEAREST)
+        for m in self.modalities:
+            step = self.steps[m]
+            out[m] = made[m] if step is None else cut_windows(
+                self._grid(rec, m), k, step, self.spec.points(self.manifest.modalities[m].rate), m in NEAREST)
         out["label"] = np.full(len(k), self.manifest.label(rec), dtype=np.int64)
         out["sample_id"] = index * SAMPLE_ID_STRIDE + k.astype(np.int64)
         out["t_start"] = starts
-        return self.per_recording(out)
+        for arr in out.values():
+            # Decoded windows are shared (by the batches cut from them, by every client through
+            # the decoded units): read-only, so that a batch is written in place only where it
+            # is its own memory (``finish_batch`` normalises in place where it may).
+            arr.setflags(write=False)
+        return out
+
+    def recording(self, split: str, u: int) -> tuple[dict[str, Signal], np.ndarray]:
+        """Recording ``u`` of a split as stored (every modality's master times and samples) and
+        the starts of its valid windows: what any other implementation of alignment needs to
+        compute the same windows."""
+        s = self._splits[split]
+        v = s.windows[u]
+        return self._signals(s.recordings[u][1], with_samples=True), v.starts[v.valid]
 
     # -- UnitSource ------------------------------------------------------------------------------
     def unit_rows(self, split: str) -> np.ndarray:
@@ -241,7 +291,10 @@ class WindowSource(UnitSource):
         """Fetch the files of these recordings into the disk cache in the background (remote only)."""
         if self.store.remote:
             recordings = self._splits[split].recordings
-            files = (recordings[int(u)][1].modalities[m].file for u in units for m in self.modalities)
+            files = (
+                p.file if self.steps[m] is None else p.grid_file
+                for u in units for m, p in recordings[int(u)][1].modalities.items() if m in self.steps
+            )
             self.store.prefetch(dict.fromkeys(files))
 
 

@@ -30,34 +30,49 @@ Stage = Callable[[Batch], Batch]
 CHANNEL_AXIS = {"eeg": 1, "ecg": 1, "gsr": 1, "video": 2}
 
 
-@dataclass(frozen=True)
 class Normalize:
     """z-score every channel with the train split's mean and std (from the dataset manifest).
 
-    ``in_place=True`` overwrites the arrays it is given, for callers that own them (the window
-    source normalises each recording's freshly resampled windows, on its read-ahead threads).
+    Args:
+        stats: modality -> {"mean": [...], "std": [...]}, per channel.
+        in_place: overwrite the arrays it is given where they are writeable, for callers that own
+            them (decoded data that several batches share is read-only: see ``WindowSource``).
+        modalities: the modalities it normalises (default: every one ``stats`` has).
     """
 
-    stats: Mapping[str, Mapping[str, Sequence[float]]]
-    in_place: bool = False
-    name: str = "normalize"
+    def __init__(self, stats: Mapping[str, Mapping[str, Sequence[float]]], in_place: bool = False,
+                 modalities: Sequence[str] | None = None, name: str = "normalize") -> None:
+        self.in_place = in_place
+        self.name = name
+        chosen = [m for m in CHANNEL_AXIS if m in stats and (modalities is None or m in modalities)]
+        # mean and 1/std as float32, once: the same operations, in the same order, as ever.
+        self._by_modality = {}
+        for m in chosen:
+            std = np.asarray(stats[m]["std"], dtype=np.float32)
+            scale = (1.0 / np.where(std > 0, std, 1.0)).astype(np.float32)
+            self._by_modality[m] = (np.asarray(stats[m]["mean"], dtype=np.float32), scale)
+
+    @property
+    def modalities(self) -> list[str]:
+        return list(self._by_modality)
 
     def __call__(self, batch: Batch) -> Batch:
         out = dict(batch)
-        for modality, axis in CHANNEL_AXIS.items():
-            if modality not in batch or modality not in self.stats:
+        for modality, (mean, scale) in self._by_modality.items():
+            if modality not in batch:
                 continue
             x = batch[modality]
+            axis = CHANNEL_AXIS[modality]
             shape = [1] * x.ndim
             shape[axis] = x.shape[axis]
-            mean = np.asarray(self.stats[modality]["mean"], dtype=np.float32).reshape(shape)
-            std = np.asarray(self.stats[modality]["std"], dtype=np.float32).reshape(shape)
-            scale = (1.0 / np.where(std > 0, std, 1.0)).astype(np.float32)
+            m, s = mean.reshape(shape), scale.reshape(shape)
             if self.in_place and x.dtype == np.float32 and x.flags.writeable:
-                x -= mean
-                x *= scale
+                x -= m
+                x *= s
             else:
-                out[modality] = (x - mean) * scale
+                y = np.subtract(x, m)
+                y *= s
+                out[modality] = y
         return out
 
 
