@@ -25,7 +25,7 @@ from fuelline.protocol.common.endpoints import parse_ready_line
 
 __all__ = [
     "BENCH_DIR", "ROOT", "RESULTS_DIR", "DEFAULT_DATA_DIR",
-    "Round", "Contender", "ServerProcess", "time_batches", "process_cpu_seconds", "alternate", "progress",
+    "Round", "Contender", "ServerProcess", "SourceTree", "time_batches", "process_cpu_seconds", "alternate", "progress",
 ]
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -123,9 +123,11 @@ class ServerProcess:
     ``log_path`` and is quoted when the server fails.
     """
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, ready_timeout: float = 60.0) -> None:
+    def __init__(self, name: str, argv: Sequence[str], log_path: Path, ready_timeout: float = 60.0,
+                 pythonpath: str | None = None) -> None:
         self.name = name
         self.argv = list(argv)
+        self.pythonpath = pythonpath  # where ``fuelline`` is imported from, if not this tree's install
         self.log_path = log_path
         self.ready_timeout = ready_timeout
         self.host = ""
@@ -148,7 +150,7 @@ class ServerProcess:
 
     def start(self) -> None:
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), self.pythonpath, env.get("PYTHONPATH", "")) if p)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             self._proc = subprocess.Popen(
@@ -216,3 +218,42 @@ class ServerProcess:
         except OSError:
             return ""
         return ("\n  " + "\n  ".join(tail)) if tail else ""
+
+
+# -- another revision, for before/after in one run -------------------------------------------------
+class SourceTree:
+    """Another revision of this project, importable as ``fuelline`` from ``pythonpath``: a
+    detached ``git worktree`` of ``rev``, and a folder of links named as the installed package is
+    (the folders are mapped into the namespace by setup.cfg, not nested under fuelline/). A
+    PYTHONPATH entry is found before the editable install of this tree."""
+
+    def __init__(self, rev: str, parent: Path) -> None:
+        self.rev = rev
+        self.src = parent / "before-src"
+        self.root = parent / "before-root"
+        self.commit = ""
+
+    @property
+    def pythonpath(self) -> str:
+        return str(self.root)
+
+    def __enter__(self) -> "SourceTree":
+        self.commit = subprocess.run(["git", "rev-parse", "--verify", f"{self.rev}^{{commit}}"], cwd=ROOT, check=True,
+                                     capture_output=True, text=True, timeout=30).stdout.strip()
+        subprocess.run(["git", "worktree", "add", "--detach", "--force", str(self.src), self.commit], cwd=ROOT,
+                       check=True, capture_output=True, timeout=120)
+        (self.root / "fuelline").mkdir(parents=True)
+        for folder in ("protocol", "client", "server", "trainer"):
+            (self.root / "fuelline" / folder).symlink_to(self.src / folder)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        subprocess.run(["git", "worktree", "remove", "--force", str(self.src)], cwd=ROOT, capture_output=True, timeout=120)
+
+    def run(self, *argv: str) -> None:
+        """``python -m fuelline.server.cli ARGV`` of this revision; raises with its stderr if it fails."""
+        env = dict(os.environ, PYTHONPATH=self.pythonpath)
+        done = subprocess.run([sys.executable, "-m", "fuelline.server.cli", *argv], cwd=self.src, env=env,
+                              capture_output=True, text=True, timeout=3600)
+        if done.returncode:
+            raise RuntimeError(f"{self.rev}: fuelline {' '.join(argv)} exited {done.returncode}: {done.stderr[-2000:]}")

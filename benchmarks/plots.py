@@ -237,7 +237,8 @@ def headlines(results_dir: Path) -> list[dict[str, Any]]:
             add("compression", "onebit bytes/element / fp32 ring", onebit["of_fp32_ring"], rec["target_of_fp32"], False)
     if (rec := _load(results_dir, "windows")) is not None:
         for key, r in rec["ratios"].items():
-            add("windows", key + " (windows/s)", r["of_medians"], r["target"])
+            unit = "" if r.get("metric", "windows/s") != "windows/s" else " (windows/s)"
+            add("windows", key + unit, r["of_medians"], r["target"], r.get("higher_is_better", True))
     return out
 
 

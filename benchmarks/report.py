@@ -43,18 +43,24 @@ def server_cpu_ms_per_window() -> Metric:
 
 @dataclass(frozen=True)
 class RatioSpec:
+    """numerator / denominator of a metric's medians (``metric``: a unit; default the report's
+    first), against a target it should reach (``higher``) or stay under."""
+
     numerator: str
     denominator: str
     target: float | None = None
+    metric: str | None = None
+    higher: bool = True
 
 
 def _stats(values: Sequence[float]) -> dict[str, Any]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": list(values)}
 
 
-def _ratio(num: Sequence[float], den: Sequence[float], target: float | None) -> dict[str, Any]:
+def _ratio(num: Sequence[float], den: Sequence[float], target: float | None, higher: bool = True) -> dict[str, Any]:
     per_round = [n / d for n, d in zip(num, den)]
     of_medians = statistics.median(num) / statistics.median(den)
+    meets = None if target is None else (of_medians >= target if higher else of_medians <= target)
     return {
         "of_medians": of_medians,
         "median_per_round": statistics.median(per_round),
@@ -62,7 +68,8 @@ def _ratio(num: Sequence[float], den: Sequence[float], target: float | None) -> 
         "max_per_round": max(per_round),
         "per_round": per_round,
         "target": target,
-        "median_meets_target": None if target is None else of_medians >= target,
+        "higher_is_better": higher,
+        "median_meets_target": meets,
     }
 
 
@@ -142,10 +149,13 @@ def build_report(
         cpu = [c for c in (_cpu_per_gb(r) for r in rounds) if c is not None]
         entry["cpu_s_per_gb"] = _stats(cpu) if cpu else None
         record["contenders"][contender] = entry
+    by_unit = {m.unit: m for m in metrics}
     for spec in ratios:
-        num = [primary.of(r) for r in results[spec.numerator]]
-        den = [primary.of(r) for r in results[spec.denominator]]
-        record["ratios"][f"{spec.numerator} / {spec.denominator}"] = _ratio(num, den, spec.target)
+        metric = by_unit[spec.metric] if spec.metric else primary
+        num = [metric.of(r) for r in results[spec.numerator]]
+        den = [metric.of(r) for r in results[spec.denominator]]
+        label = f"{spec.numerator} / {spec.denominator}" + (f" ({metric.unit})" if spec.metric else "")
+        record["ratios"][label] = {**_ratio(num, den, spec.target, spec.higher), "metric": metric.unit}
     record["notes"] = list(notes)
     record["process_exits"] = exits
     if extra:
@@ -168,12 +178,13 @@ def _markdown(record: dict[str, Any], title: str, metrics: Sequence[Metric]) -> 
         cpu = entry["cpu_s_per_gb"]
         cells += [f"{cpu['median']:.2f}" if cpu else "–", str(rounds)]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Ratios of {metrics[0].unit}:", ""]
+    lines += ["", f"Ratios (of {metrics[0].unit} unless named):", ""]
     for label, r in record["ratios"].items():
         target = ""
         if r["target"] is not None:
-            verdict = "meets" if r["median_meets_target"] else "below"
-            target = f"; target ≥ {r['target']:.2f} ({verdict})"
+            higher = r.get("higher_is_better", True)
+            verdict = "meets" if r["median_meets_target"] else ("below" if higher else "above")
+            target = f"; target {'≥' if higher else '≤'} {r['target']:.2f} ({verdict})"
         lines.append(
             f"- {label}: {r['of_medians']:.3f} (ratio of medians); median of per-round ratios "
             f"{r['median_per_round']:.3f}, min–max {r['min_per_round']:.3f}–{r['max_per_round']:.3f}{target}"
