@@ -37,6 +37,7 @@ from benchmarks.report import Metric, RatioSpec, build_report, environment, writ
 from fuelline.client import ServerDataStream
 from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.synth import synthesize
+from fuelline.server.multimodal.manifest import FORMAT
 from fuelline.server.multimodal.source import WindowSource
 
 __all__ = ["run", "ensure_dataset", "sizes"]
@@ -70,7 +71,8 @@ def ensure_dataset(data_dir: Path, recordings: int, seconds: float) -> Path:
     """Synthesised raw recordings, converted; both made on first use and reused after (each
     appears by an atomic rename, so a directory that exists is complete)."""
     tag = f"v{DATASET_FORMAT}-{recordings}rec-{int(seconds)}s-seed{SEED}"
-    raw, dataset = data_dir / f"raw-{tag}", data_dir / f"windows-{tag}"
+    # (the converted data set's name carries the format it is in: a newer one is converted anew)
+    raw, dataset = data_dir / f"raw-{tag}", data_dir / f"windows-{tag}-{FORMAT.replace('/', '-')}"
     if not dataset.is_dir():
         data_dir.mkdir(parents=True, exist_ok=True)
         if not raw.is_dir():

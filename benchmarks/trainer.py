@@ -21,6 +21,7 @@ from benchmarks.common import RESULTS_DIR, ServerProcess, progress
 from benchmarks.report import environment
 from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.synth import synthesize
+from fuelline.server.multimodal.manifest import FORMAT
 
 __all__ = ["run"]
 
@@ -46,7 +47,7 @@ QUICK = {"recordings": 10, "seconds": 40.0, "epochs": 2, "rounds": 1, "configs":
 
 def ensure_dataset(data_dir: Path, recordings: int = RECORDINGS, seconds: float = SECONDS, seed: int = SEED) -> Path:
     """The synth data set of ``recordings`` × ``seconds`` drawn with ``seed``, made once in ``data_dir``."""
-    data = data_dir / f"trainer-v2-{recordings}rec-{int(seconds)}s-seed{seed}"
+    data = data_dir / f"trainer-v2-{recordings}rec-{int(seconds)}s-seed{seed}-{FORMAT.replace('/', '-')}"
     if not data.is_dir():
         raw = data_dir / f"{data.name}-raw"
         if not raw.is_dir():
