@@ -113,27 +113,17 @@ class Point:
 
 
 # -- memory -----------------------------------------------------------------------------------------
-def _tree(pid: int) -> list[int]:
-    """A process and all its descendants (a server's worker processes and theirs)."""
-    out, todo = [], [pid]
+def _rss_mb(pid: int) -> float:
+    """VmRSS of a process and all its descendants (a server's worker processes), summed."""
+    total, todo = 0, [pid]
     while todo:
         p = todo.pop()
-        out.append(p)
-        try:
-            for tid in Path(f"/proc/{p}/task").iterdir():
-                todo += [int(c) for c in (tid / "children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _rss_mb(pid: int) -> float:
-    total = 0
-    for p in _tree(pid):
         try:
             with open(f"/proc/{p}/status") as f:
                 total += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
-        except OSError:  # a process that ended between listing and reading
+            for tid in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (tid / "children").read_text().split()]
+        except OSError:  # a process that ended while it was read
             pass
     return total / 1024
 
@@ -277,7 +267,9 @@ def derived(by_dim: dict[str, Any], size: Sizes, decoded_mb: dict[str, float]) -
             "base_cpu_by_dimension": {dim: by_x(dim, mode, cpu).get(x) for dim, x in base.items()},
         }
     cache = by_dim["decoded-cache MB"]
-    out["rss_mb_per_cache_mb"] = _slope(cache["x"], med("decoded-cache MB", KEPT, rss))
+    # Only budgets the split overflows: a larger one holds the split and stops growing.
+    fills = [(x, y) for x, y in zip(cache["x"], med("decoded-cache MB", KEPT, rss)) if x < decoded_mb["cache"]]
+    out["rss_mb_per_cache_mb"] = _slope([x for x, _ in fills], [y for _, y in fills])
     return out
 
 
@@ -336,7 +328,8 @@ def _notes(size: Sizes, rounds: int, f: dict[str, Any]) -> list[str]:
         f"{KEPT}: the default --decoded-cache-mb (1024) holds the decoded train split ({f['decoded_mb']['base']:.0f} "
         f"MB at the base) from the warm-up round on, so timed rounds decode nothing; {EVERY_EPOCH}: "
         "--decoded-cache-mb 0. decoded-cache MB: budgets below the decoded train split of "
-        f"{size.cache_recordings} recordings × {size.base_s} s ({f['decoded_mb']['cache']:.0f} MB), so each fills.",
+        f"{size.cache_recordings} recordings × {size.base_s} s ({f['decoded_mb']['cache']:.0f} MB), so each fills "
+        "(RSS per decoded-cache MB is fitted over the budgets below that size only).",
         "Cores per 10k windows/s (ms/window × 10), 1 client: " + both("cores_per_10k_windows_s_1_client", "{:.2f}")
         + f"; {size.clients[-1]} clients: " + both("cores_per_10k_windows_s_most_clients", "{:.2f}")
         + ". RSS per extra client (least-squares slope): " + both("rss_mb_per_client", "{:.1f} MB")
