@@ -296,10 +296,10 @@ def plot(record: dict[str, Any], results_dir: Path) -> Path:
                 stats, color = by_unit[unit], colors[mode]
                 med = [s["median"] for s in stats]
                 err = [[m - s["min"] for m, s in zip(med, stats)], [s["max"] - m for m, s in zip(med, stats)]]
-                ax.errorbar(range(len(med)), med, yerr=err, marker="o", capsize=4, color=color, label=mode)
+                label = mode if dim != "decoded-cache MB" else "1 client, budget filled"
+                ax.errorbar(part["x"], med, yerr=err, marker="o", capsize=4, color=color, label=label)
                 top = max(top, *(s["max"] for s in stats))
-            ax.set_xticks(range(len(part["x"])))
-            ax.set_xticklabels([str(x) for x in part["x"]])
+            ax.set_xticks(part["x"])
             ax.set_xlabel(labels[dim])
             ax.set_ylabel(f"{unit} (median, min–max)")
             ax.set_ylim(0, top * 1.15 if top > 0 else 1.0)
