@@ -384,7 +384,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.cost", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds per point (default 3)")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds per point (default 5)")
     p.add_argument("--quick", action="store_true", help="tiny datasets, 2 points per dimension, 2 rounds: a smoke run")
     p.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="where datasets are made and reused")
     p.add_argument("--results-dir", type=Path, default=None,
