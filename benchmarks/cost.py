@@ -45,7 +45,6 @@ from benchmarks.pipeline import ensure_dataset
 from benchmarks.report import Metric, RatioSpec, build_report, environment, server_cpu_ms_per_window, write_results
 from benchmarks.scaling import HWM, TIMEOUT_S, Clients
 from fuelline.protocol.common.cpu import process_cpu_seconds
-from fuelline.server.multimodal.manifest import FORMAT
 from fuelline.server.multimodal.source import WindowSource
 
 __all__ = ["run", "main"]
@@ -187,12 +186,8 @@ def train_split(dataset: str, window: int = 2) -> tuple[int, float]:
 
 
 def points(size: Sizes, data_dir: Path) -> dict[str, list[Point]]:
-    # Kept apart by the manifest format a server reads, so that a format change never serves
-    # (or refuses) datasets made before it.
-    home = data_dir / f"cost-{FORMAT.replace('/', '-')}"
-
     def data(seconds: int) -> str:
-        return str(ensure_dataset(home, size.total_s // seconds, float(seconds)))
+        return str(ensure_dataset(data_dir, size.total_s // seconds, float(seconds)))
 
     base = data(size.base_s)
     out: dict[str, list[Point]] = {"clients": [], "recording s": [], "window s": [], "workers": []}
@@ -202,7 +197,7 @@ def points(size: Sizes, data_dir: Path) -> dict[str, list[Point]]:
         out["window s"] += [Point("window s", w, mode, base, window=w) for w in size.windows_s]
         out["workers"] += [Point("workers", k, mode, base, workers=k) for k in size.workers]
     # Budgets smaller than this dataset's decoded split, so each fills to its budget: RSS per cache MB.
-    big = str(ensure_dataset(home, size.cache_recordings, float(size.base_s)))
+    big = str(ensure_dataset(data_dir, size.cache_recordings, float(size.base_s)))
     out["decoded-cache MB"] = [Point("decoded-cache MB", mb, KEPT, big, cache_mb=mb) for mb in size.cache_mb]
     return out
 
