@@ -83,8 +83,8 @@ def test_windows_cut_from_grids_equal_windows_resampled_one_by_one(dataset: Path
 
 
 def test_zscore_batches_are_the_raw_batches_normalised_and_decoded_units_stay_raw(dataset: Path) -> None:
-    """Normalisation runs on each batch, in place where the batch is its own memory: never on
-    the decoded windows that later batches and epochs share."""
+    """z-scored batches are the raw ones normalised, in storage order and shuffled, and again in
+    an epoch served from the decoded units the first one kept: nothing shared is written twice."""
     for shuffle in (True, False):
         raw = WindowSource(str(dataset), normalize="none", batch_size=8, shuffle=shuffle)
         z = WindowSource(str(dataset), normalize="zscore", batch_size=8, shuffle=shuffle, decoded_cache_mb=64)

@@ -91,7 +91,7 @@ class WindowSource(UnitSource):
     """
 
     # The per-batch stages run here, never in worker processes; mapped files are not copied there.
-    _serving_only = ("pipeline", "per_batch", "_grid_files")
+    _serving_only = ("pipeline", "_grid_files")
 
     def __init__(
         self,
@@ -122,16 +122,12 @@ class WindowSource(UnitSource):
         # Windows are cut from each modality's master grid where the hop is a whole number of its
         # periods (``fuelline.server.multimodal.grid``), else resampled one by one.
         self.steps = {m: points_per_hop(self.spec, self.manifest.modalities[m].rate) for m in self.modalities}
-        # Normalisation works sample by sample: in place on freshly resampled windows, where
-        # they are made; for windows cut from a grid, in place on each gathered batch, so that
-        # decoding a recording is no more than mapping its grids. Then, per batch, the user's
-        # stages and the cast.
-        resampled = [m for m in self.modalities if self.steps[m] is None]
-        sliced = [m for m in self.modalities if self.steps[m] is not None]
-        zscore = normalize == "zscore"
-        self.per_recording = Pipeline([Normalize(self.manifest.stats, True, resampled)] if zscore and resampled else [])
-        self.per_batch = Pipeline([Normalize(self.manifest.stats, True, sliced)] if zscore and sliced else [])
-        self.pipeline = Pipeline([*self.per_batch.stages, *stages, Cast()])
+        # Normalisation works sample by sample, so it runs where a recording's samples are made:
+        # in place on freshly resampled windows, and on each grid before windows are cut from it
+        # (each grid point once, however much the windows overlap; kept with the decoded units).
+        # Then, per batch, the user's stages and the cast.
+        self.per_recording = Pipeline([Normalize(self.manifest.stats, in_place=True)] if normalize == "zscore" else [])
+        self.pipeline = Pipeline([*stages, Cast()])
         self._grid_files: dict[str, Any] = {}  # local grid files, mapped once
         self.stage_names = [callable_name(s) for s in stages]  # as --stage names them, for the fingerprint
         self._base = self._base_columns()
@@ -249,12 +245,14 @@ class WindowSource(UnitSource):
         signals = self._signals(rec, with_samples=True, only=resampled) if resampled else {}
         # video (windows, points, features), the others (windows, channels, points)
         made = {m: resample(sig, starts, self.spec, channels_first=m not in NEAREST) for m, sig in signals.items()}
-        made = self.per_recording(made)
+        # grids with a leading axis, where Normalize finds a batch's channels
+        grids = {m: self._grid(rec, m)[None] for m in self.modalities if m not in made}
+        made = self.per_recording({**made, **grids})
         out: dict[str, np.ndarray] = {}
         for m in self.modalities:
             step = self.steps[m]
             out[m] = made[m] if step is None else cut_windows(
-                self._grid(rec, m), k, step, self.spec.points(self.manifest.modalities[m].rate), m in NEAREST)
+                made[m][0], k, step, self.spec.points(self.manifest.modalities[m].rate), m in NEAREST)
         out["label"] = np.full(len(k), self.manifest.label(rec), dtype=np.int64)
         out["sample_id"] = index * SAMPLE_ID_STRIDE + k.astype(np.int64)
         out["t_start"] = starts
