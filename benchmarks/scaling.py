@@ -8,15 +8,25 @@ read their rank's share (rank r of world size N) of one epoch at the same time f
 own first batch, over the time from the first client's first batch to the last client's last
 batch (one machine's monotonic clock). Batch sizes: one ``fuelline serve --batch-size B`` process
 per size, one client each, alternately.
+
+Server and clients share this machine's cores, so the aggregate is as much the clients' CPU as
+the server's. Every round also measures the clients' own CPU (all client processes together), the
+whole machine's busy CPU (other processes included) and the units the server decoded (its
+Prometheus counter), so the report can say what share of a drop with more clients is the
+server's cost per window, the clients' own, and the cores they could get.
 """
 
 from __future__ import annotations
 
+import math
 import multiprocessing
+import os
+import re
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from contextlib import ExitStack
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -26,7 +36,7 @@ import numpy as np
 
 from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, process_cpu_seconds, progress
 from benchmarks.pipeline import REFERENCE_WINDOWS_PER_S, ensure_dataset, sizes
-from benchmarks.report import Metric, build_report, environment, server_cpu_ms_per_window, write_results
+from benchmarks.report import Metric, RatioSpec, build_report, environment, server_cpu_ms_per_window, write_results
 from fuelline.server.multimodal.source import WindowSource
 
 __all__ = ["run"]
@@ -48,7 +58,8 @@ def epochs_per_round(quick: bool) -> int:
 # -- client processes -------------------------------------------------------------------------------
 def _client(conn: Connection) -> None:
     """Child process: per request (host, port, rank, world_size, epochs), read that many epochs
-    and report (batches, rows, bytes, rows of the first batch, first arrival, last arrival)."""
+    and report (batches, rows, bytes, rows of the first batch, first arrival, last arrival, CPU
+    seconds of this process over the read)."""
     from fuelline.client import ServerDataStream
 
     while conn.poll(30 * TIMEOUT_S):
@@ -56,6 +67,7 @@ def _client(conn: Connection) -> None:
         if job is None:
             break
         host, port, rank, world, epochs = job
+        cpu0 = time.process_time()
         try:
             first = last = None
             count = rows = nbytes = first_rows = 0
@@ -72,18 +84,59 @@ def _client(conn: Connection) -> None:
                         nbytes += sum(arr.nbytes for arr in batch)
                         if first is None:
                             first, first_rows = last, len(batch[0])
-            conn.send(("ok", count, rows, nbytes, first_rows, first, last))
+            conn.send(("ok", count, rows, nbytes, first_rows, first, last, time.process_time() - cpu0))
         except Exception as exc:  # reported to the parent, which raises it
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
+def machine_cpu_seconds() -> tuple[float, int]:
+    """CPU seconds this machine's cores have been busy (all processes, ours and others'), and
+    how many cores it has."""
+    with open("/proc/stat") as f:
+        lines = f.read().splitlines()
+    fields = [float(x) for x in lines[0].split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle, iowait
+    cores = sum(1 for line in lines if re.match(r"cpu\d", line))
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK"), cores
+
+
+def metrics_port(server: ServerProcess) -> int | None:
+    """The port of the server's ``--metrics-port 0`` endpoint, from its log; None where its
+    decoded-units counter counts nothing (``--decoded-cache-mb 0`` decodes outside the cache)."""
+    argv = server.argv
+    if argv[argv.index("--decoded-cache-mb") + 1] == "0":
+        return None
+    try:
+        found = re.search(r"metrics on http://[^:]+:(\d+)/metrics", server.log_path.read_text())
+    except OSError:
+        return None
+    return int(found.group(1)) if found else None
+
+
+def decoded_misses(port: int | None) -> float | None:
+    """Units the server has decoded so far (``fuelline_cache_misses_total{tier="decoded"}`` from
+    its metrics endpoint), or None if it does not say."""
+    if port is None:
+        return None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT_S) as reply:
+        text = reply.read().decode()
+    found = re.search(r'^fuelline_cache_misses_total\{tier="decoded"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else None
+
+
 class Clients:
-    """``n`` client processes that read concurrently on request."""
+    """``n`` client processes that read concurrently on request.
+
+    ``extras`` holds, by ``id`` of each Round ``read`` returned: the machine's busy CPU seconds
+    and its cores over the read, the read's wall seconds, and units the server decoded in it.
+    """
 
     def __init__(self, n: int) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.conns: list[Connection] = []
         self.procs = []
+        self.extras: dict[int, dict[str, Any]] = {}
+        self._metrics: dict[int, int | None] = {}  # metrics port by server pid
         for i in range(n):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_client, args=(child,), name=f"bench-client-{i}", daemon=True)
@@ -96,6 +149,11 @@ class Clients:
         """Clients 0…world-1 read ``epochs`` epochs each, all at once. The Round counts every
         window received after the very first batch of any client, over the time from that batch
         to the last batch of any client."""
+        if server.pid not in self._metrics:
+            self._metrics[server.pid] = metrics_port(server)
+        decoded0 = decoded_misses(self._metrics[server.pid])
+        machine0, cores = machine_cpu_seconds()
+        wall0 = time.monotonic()
         cpu0 = process_cpu_seconds(server.pid)
         for rank in range(world):
             self.conns[rank].send((server.host, server.port, rank, world, epochs))
@@ -105,6 +163,9 @@ class Clients:
                 raise TimeoutError(f"client {rank} of {world}: no report within {10 * TIMEOUT_S:.0f}s")
             replies.append(self.conns[rank].recv())
         cpu1 = process_cpu_seconds(server.pid)
+        wall1 = time.monotonic()
+        machine1, _ = machine_cpu_seconds()
+        decoded1 = decoded_misses(self._metrics[server.pid])
         errors = [r[1] for r in replies if r[0] != "ok"]
         if errors:
             raise RuntimeError(f"{len(errors)} of {world} clients failed: {errors[0]}")
@@ -115,7 +176,13 @@ class Clients:
         rows = sum(r[2] for r in replies) - earliest[4]
         nbytes = int(sum(r[3] for r in replies) * rows / (rows + earliest[4]))
         producer = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
-        return Round(sum(r[1] for r in replies), rows, nbytes, last - first, 0.0, producer)
+        result = Round(sum(r[1] for r in replies), rows, nbytes, last - first, sum(r[7] for r in replies), producer)
+        self.extras[id(result)] = {
+            "machine_busy_s": machine1 - machine0, "cores": cores, "wall_s": wall1 - wall0, "epochs": epochs,
+            "all_rows": sum(r[2] for r in replies),
+            "decoded": None if decoded0 is None or decoded1 is None else decoded1 - decoded0,
+        }
+        return result
 
     def close(self) -> None:
         for conn in self.conns:
@@ -131,8 +198,10 @@ class Clients:
 
 
 def serve_argv(dataset: str, batch_size: int, decoded_mb: int) -> list[str]:
+    # (The metrics endpoint costs nothing between scrapes, and it is scraped outside the timed read.)
     return [sys.executable, "-m", "fuelline.server.cli", "serve", dataset, "--port", "0", "--batch-size",
-            str(batch_size), "--hwm", str(HWM), "--status-interval", "0", "--decoded-cache-mb", str(decoded_mb)]
+            str(batch_size), "--hwm", str(HWM), "--status-interval", "0", "--decoded-cache-mb", str(decoded_mb),
+            "--metrics-port", "0"]
 
 
 def decoded_budget_mb(source: WindowSource) -> int:
@@ -143,10 +212,75 @@ def decoded_budget_mb(source: WindowSource) -> int:
 
 
 def _series(results: dict[str, list[Round]], xs: tuple[int, ...], name: Any) -> dict[str, Any]:
-    wps = {str(x): [r.rows / r.seconds for r in results[name(x)]] for x in xs}
-    stats = {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v} for k, v in wps.items()}
-    return {"x": list(xs), "windows/s": stats,
-            "speedup_at_max": stats[str(xs[-1])]["median"] / stats[str(xs[0])]["median"]}
+    def stats(of: Any) -> dict[str, dict[str, Any]]:
+        values = {str(x): [of(r) for r in results[name(x)]] for x in xs}
+        return {k: {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v} for k, v in values.items()}
+
+    wps = stats(lambda r: r.rows / r.seconds)
+    server = stats(lambda r: float("nan") if r.producer_cpu_s is None else 1e3 * r.producer_cpu_s / r.rows)
+    return {"x": list(xs), "windows/s": wps, "server CPU ms/window": server,
+            "speedup_at_max": wps[str(xs[-1])]["median"] / wps[str(xs[0])]["median"],
+            "server_cpu_at_max": server[str(xs[-1])]["median"] / server[str(xs[0])]["median"]}
+
+
+def round_metrics(extras: dict[int, dict[str, Any]]) -> list[Metric]:
+    """The clients' CPU per window, the units the server decoded per epoch, and how busy the
+    machine's cores were (everyone's processes) over each read."""
+    def decoded(r: Round) -> float:
+        e = extras[id(r)]
+        return float("nan") if e["decoded"] is None else e["decoded"] / e["epochs"]
+
+    def busy(r: Round) -> float:
+        e = extras[id(r)]
+        return 100.0 * e["machine_busy_s"] / (e["wall_s"] * e["cores"])
+
+    return [Metric("clients' CPU ms/window", lambda r: 1e3 * r.consumer_cpu_s / r.rows, "{:.3f}"),
+            Metric("units decoded/epoch", decoded, "{:.1f}"),
+            Metric("machine CPU busy %", busy, "{:.0f}")]
+
+
+def breakdown(results: dict[str, list[Round]], extras: dict[int, dict[str, Any]], one: str, many: str) -> dict[str, Any]:
+    """Why ``many`` delivers what it does against ``one``, from the medians of their rounds.
+
+    Over a whole read (connecting included, every window counted) on C shared cores, windows/s
+    is exactly f·C / (s + c): s and c the server's and the clients' CPU seconds per window, f the
+    share of the cores the two got (what idle time and other processes left them). So the ratio
+    of those windows/s is the product of three factors: f_many/f_one (cores got),
+    (s1+c1)/(s1+c_many) (the clients' own CPU per window, the server's kept at one client's) and
+    (s1+c_many)/(s_many+c_many) (the server's CPU per window); a fourth, timing, is the headline
+    ratio (timed from the first batch) over the whole-read one. ``shares``: each factor's part of
+    the drop (of its logarithm), when there is one.
+    """
+    def med(name: str, f: Any) -> float:
+        return statistics.median(f(r, extras[id(r)]) for r in results[name])
+
+    s1, sn = (med(n, lambda r, e: (r.producer_cpu_s or 0.0) / e["all_rows"]) for n in (one, many))
+    c1, cn = (med(n, lambda r, e: r.consumer_cpu_s / e["all_rows"]) for n in (one, many))
+    f1, fn = (med(n, lambda r, e: (r.consumer_cpu_s + (r.producer_cpu_s or 0.0)) / (e["wall_s"] * e["cores"]))
+              for n in (one, many))
+    whole = med(many, lambda r, e: e["all_rows"] / e["wall_s"]) / med(one, lambda r, e: e["all_rows"] / e["wall_s"])
+    measured = med(many, lambda r, e: r.rows / r.seconds) / med(one, lambda r, e: r.rows / r.seconds)
+    factors = {"cores got": fn / f1, "clients' CPU/window": (s1 + c1) / (s1 + cn),
+               "server CPU/window": (s1 + cn) / (sn + cn)}
+    factors["timing"] = measured / math.prod(factors.values())
+    shares = {k: math.log(v) / math.log(measured) for k, v in factors.items()} if measured < 1 else None
+    return {"one": one, "many": many, "server_ms": [1e3 * s1, 1e3 * sn], "clients_ms": [1e3 * c1, 1e3 * cn],
+            "cores_got": [f1, fn], "whole_read_ratio": whole, "measured": measured, "factors": factors,
+            "shares": shares}
+
+
+def _breakdown_note(b: dict[str, Any]) -> str:
+    cores, clients, server, timing = b["factors"].values()
+    text = (f"Why {b['many']} deliver {b['measured']:.2f}× the windows/s of {b['one']} (over whole reads, "
+            f"every window and connecting counted: server CPU {b['server_ms'][0]:.3f} → {b['server_ms'][1]:.3f} "
+            f"ms/window; the clients' own CPU {b['clients_ms'][0]:.3f} → {b['clients_ms'][1]:.3f} ms/window, all "
+            f"client processes together; share of the cores the two got {b['cores_got'][0]:.0%} → "
+            f"{b['cores_got'][1]:.0%}): {b['measured']:.2f} = {cores:.2f} (cores got) × {clients:.2f} (clients' "
+            f"CPU/window) × {server:.2f} (server CPU/window) × {timing:.2f} (timed from the first batch, not the "
+            "whole read).")
+    if b["shares"] is not None:
+        text += " Of the drop: " + ", ".join(f"{k} {v:.0%}" for k, v in b["shares"].items()) + "."
+    return text
 
 
 def _clients_name(n: int) -> str:
@@ -196,6 +330,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
     clients_part = _series(by_clients, CLIENTS, _clients_name)
     unshared_part = _series(by_clients, CLIENTS, _unshared_name)
     batch_part = _series(by_batch, batch_sizes(quick), _batch_name)
+    why = breakdown(by_clients, clients.extras, _clients_name(CLIENTS[0]), _clients_name(CLIENTS[-1]))
     parameters = {"rounds": rounds, "quick": quick, **size, "train_windows": windows, "clients": list(CLIENTS),
                   "batch_sizes": list(batch_sizes(quick)), "epochs_per_round": epochs, "hwm": HWM, "dataset": dataset,
                   "decoded_cache_mb": budget}
@@ -208,17 +343,28 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         "Aggregate windows/s: every window received after the first batch of any client, over the time from that "
         "batch to the last batch of any client (one monotonic clock for all client processes).",
         "Every client's share draws rows from every block (8 recordings). Shared: the server's decoded units "
-        f"(--decoded-cache-mb {budget}, half the decoded split, so each epoch decodes it again) let the N ranks "
-        "decode each recording once an epoch. Unshared (--decoded-cache-mb 0): each rank's reader decodes every "
-        "block its share touches, up to N times the work.",
+        f"(--decoded-cache-mb {budget}, half the decoded split, so each epoch decodes it again) let ranks that ask "
+        "for a unit while it is kept or being decoded share one decode; units decoded/epoch (the server's "
+        "counter) says how far that goes when the ranks drift apart. Unshared (--decoded-cache-mb 0): each rank's "
+        "reader decodes every block its share touches, up to N times the work (not counted there: nan).",
+        "CPU per window counts the whole read (connecting included) over the windows timed; clients' CPU is all "
+        "client processes together; machine CPU busy is every process on the machine, other users' included, "
+        "over the read.",
         f"{CLIENTS[-1]} clients deliver {clients_part['speedup_at_max']:.2f}× the windows/s of one shared, "
         f"{unshared_part['speedup_at_max']:.2f}× unshared; batch "
-        f"{batch_sizes(quick)[-1]} delivers {batch_part['speedup_at_max']:.2f}× batch {batch_sizes(quick)[0]}.",
+        f"{batch_sizes(quick)[-1]} delivers {batch_part['speedup_at_max']:.2f}× batch {batch_sizes(quick)[0]}. "
+        f"The server's CPU per window, what it controls: {clients_part['server_cpu_at_max']:.2f}× one client's at "
+        f"{CLIENTS[-1]} clients shared, {unshared_part['server_cpu_at_max']:.2f}× unshared.",
+        _breakdown_note(why),
     ]
+    many, one = _clients_name(CLIENTS[-1]), _clients_name(CLIENTS[0])
+    ratios = [RatioSpec(many, one, target=1.0),
+              RatioSpec(many, one, metric=cpu.unit, higher=False)]
     record, md = build_report(
         "scaling", f"scaling — aggregate windows/s by clients (batch {size['batch_size']}) and by batch size (1 client)",
-        {**by_clients, **by_batch}, [wps, cpu], [], parameters, notes, env, exits=exits,
-        extra={"clients": clients_part, "clients_unshared": unshared_part, "batch_size": batch_part, "reference_windows_per_s": REFERENCE_WINDOWS_PER_S},
+        {**by_clients, **by_batch}, [wps, cpu, *round_metrics(clients.extras)], ratios, parameters, notes, env,
+        exits=exits, extra={"clients": clients_part, "clients_unshared": unshared_part, "batch_size": batch_part,
+                            "breakdown": why, "reference_windows_per_s": REFERENCE_WINDOWS_PER_S},
     )
     print(md, flush=True)
     for path in write_results("scaling", record, md, results_dir):
