@@ -5,6 +5,7 @@ same rows in the same order as the epoch's plan."""
 from __future__ import annotations
 
 import tracemalloc
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,5 +198,46 @@ def test_a_shuffled_parquet_epoch_allocates_batches_not_blocks(tmp_path: Path) -
         assert served == epoch_rows
         # A block table per block (two held at a time) would be 17 MB at least.
         assert peak < block_bytes / 4, f"a shuffled epoch allocated {peak / 2**20:.1f} MB at its peak"
+    finally:
+        source.close()
+
+
+class TrackedUnits(WindowUnits):
+    """WindowUnits that keep a weak reference to every unit they decode, to see when it is freed."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.decoded: dict[int, list[weakref.ref]] = {}
+
+    def decode_unit(self, split: str, u: int, columns) -> dict[str, np.ndarray]:
+        part = super().decode_unit(split, u, columns)
+        self.decoded.setdefault(u, []).append(weakref.ref(part["row"]))
+        return part
+
+    def alive(self) -> set[int]:
+        return {u for u, refs in self.decoded.items() if any(r() is not None for r in refs)}
+
+
+def test_a_block_behind_the_gathers_is_let_go_before_the_next_is_built() -> None:
+    # Four blocks of two units of 32 rows: a batch of 16 never straddles two blocks, so once a
+    # gather draws from block 1 alone, nothing needs block 0 any more. What is held is the
+    # decoded units themselves (no copy of them): those of block 1, and of block 2 read ahead.
+    source = TrackedUnits([32, 32, 32, 32, 32, 32, 32, 32], batch_size=16, seed=2, shuffle=True, shuffle_block=2,
+                          decoded_cache_mb=0)
+    try:
+        plan = source._plan("train", 0)
+        columns = source.column_specs(("win", "row"))
+        reader = BlockReader(source.unit_rows("train"), columns, plan, source._submitter("train", columns))
+        try:
+            blocks = [set(plan.unit_perm[b * 2 : b * 2 + 2].tolist()) for b in range(4)]
+            reader.gather(plan.order[0:16])  # block 0; block 1 is read ahead
+            reader.gather(plan.order[64:80])  # block 1 alone; block 2 is read ahead
+            for future in [f for jobs in reader.pending.values() for _, f in jobs]:
+                future.result(timeout=20)  # (the read-ahead's own references are gone by then)
+            alive = source.alive()
+            assert not alive & blocks[0], f"block 0's units {sorted(alive & blocks[0])} are still held"
+            assert blocks[1] <= alive and blocks[2] <= alive
+        finally:
+            reader.close()
     finally:
         source.close()

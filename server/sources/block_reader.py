@@ -41,7 +41,7 @@ class BlockReader:
     decoding overlaps sending; and ``prefetch`` hears of the units of the ``prefetch_blocks``
     blocks after that one, so remote shards can be fetched before they are decoded."""
 
-    BLOCKS_HELD = 2
+    BLOCKS_HELD = 2  # at most: the blocks a gather draws from (one, or two where it straddles)
     # Batches gathered at once (``gather_batches``), by bytes and by count: enough to pay the
     # per-unit steps of a shuffled gather once for several batches, little against a block.
     GATHER_BYTES = 4 * 2**20
@@ -145,12 +145,13 @@ class BlockReader:
         self._read_ahead(b + 1)
         return units
 
-    def batches_at_once(self, batch_size: int) -> int:
+    @classmethod
+    def batches_at_once(cls, columns: Sequence[Column], batch_size: int) -> int:
         """How many consecutive batches ``gather_batches`` should be given at a time: enough that
         its per-unit, per-column steps are paid once for several batches, few enough that they
         hold at most ``GATHER_BYTES`` (and ``GATHER_BATCHES``) before they are sent."""
-        row_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize for c in self.columns)
-        return int(max(1, min(self.GATHER_BATCHES, self.GATHER_BYTES // max(1, batch_size * row_bytes))))
+        row_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize for c in columns)
+        return int(max(1, min(cls.GATHER_BATCHES, cls.GATHER_BYTES // max(1, batch_size * row_bytes))))
 
     def gather(self, rows: np.ndarray) -> dict[str, np.ndarray]:
         """One batch: the rows (global row ids, in batch order) as one array per column."""
@@ -204,9 +205,17 @@ class BlockReader:
         blocks = self.block_of_unit[units]
         # In order of first appearance, so the block held longest is the one released first.
         _, firsts = np.unique(blocks, return_index=True)
+        needed = blocks[np.sort(firsts)].tolist()
         parts: dict[int, dict[str, np.ndarray]] = {}
-        for b in blocks[np.sort(firsts)].tolist():
+        for b in needed:
             parts.update(self.block(b))
+        # Blocks this gather does not draw from are behind it (a rank's rows go through the
+        # blocks in order; its wrap-around padding reads the first ones again, decoded anew):
+        # let them go now rather than when the next block is built. A block's units are freed
+        # together, and the fewer are held, the more of that memory the next block's decode
+        # reuses instead of faulting in afresh.
+        for b in [b for b in self.blocks if b not in needed]:
+            del self.blocks[b]
         return parts
 
     def _copy(self, units: np.ndarray, offsets: np.ndarray, parts: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -227,7 +227,7 @@ class UnitSource(BatchSource):
             skip_bad=self.on_bad_shard == "skip", on_loss=on_loss,
             prefetch=lambda units: self.prefetch_units(split, units), prefetch_blocks=self.prefetch,
         )
-        step = reader.batches_at_once(self.batch_size)
+        step = BlockReader.batches_at_once(columns, self.batch_size)
         try:
             for b in range(start, count, step):
                 chunk = rows[b * self.batch_size : min(b + step, count) * self.batch_size]

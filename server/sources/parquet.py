@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError
+from fuelline.server.sources.block_reader import BlockReader
 from fuelline.server.sources.blocks import UnitSource
 from fuelline.server.sources.columns import ColumnSpec, column_spec, to_numpy
 from fuelline.server.sources.fingerprint import files_part, skipped_summary, unit_parts
@@ -91,7 +92,7 @@ class ParquetSource(UnitSource):
         options: the options of every unit source (``SourceOptions``: batch size, seed, shuffle,
             shuffle block, workers, caches...); the last batch of an epoch may be shorter, and
             ``shuffle_block`` row groups are mixed together (bounding memory per client to
-            ``2 × shuffle_block + 1`` decoded row groups).
+            ``3 × shuffle_block`` decoded row groups and a few batches: ``memory_per_client``).
         **overrides: any of those options by name (``ParquetSource(path, batch_size=32)``).
 
     Raises:
@@ -229,9 +230,13 @@ class ParquetSource(UnitSource):
         }
 
     def memory_per_client(self, split: str) -> int:
-        """Upper bound of decoded row-group bytes one client's reader holds: two blocks in use,
-        one being read ahead, and a row group being copied into it."""
-        return (3 * self.shuffle_block + 1) * self._splits[split].max_unit_bytes
+        """Upper bound of the bytes one client's reader holds: the decoded row groups of two
+        blocks in use (where a batch straddles them) and of one being read ahead, and the
+        batches gathered at once from them (``BlockReader.batches_at_once``)."""
+        columns = self.column_specs(self.sources)
+        row_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * np.dtype(c.dtype).itemsize for c in columns)
+        gathered = BlockReader.batches_at_once(columns, self.batch_size) * self.batch_size * row_bytes
+        return 3 * self.shuffle_block * self._splits[split].max_unit_bytes + gathered
 
     # -- UnitSource ---------------------------------------------------------------------------
     def unit_rows(self, split: str) -> np.ndarray:
