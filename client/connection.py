@@ -140,8 +140,7 @@ class Connection(Receiving):
         self._bye_pending = False
         self._backoff = self.BACKOFF_MIN
         self._retry_at: float | None = None
-        now = time.monotonic()
-        self._last_heard = self._last_sent = self._hello_sent = self._started = now
+        self._last_heard = self._last_sent = self._hello_sent = self._started = time.monotonic()
 
     # -- the user's side -----------------------------------------------------------------------
     def start(self, stream: int, epoch: int, cursor: int, history: tuple = ()) -> None:
@@ -166,7 +165,7 @@ class Connection(Receiving):
             if stream == self._stream:
                 self._undelivered -= n
                 self._pending_credit += n
-                self._flush_credit()
+                self._flush_credit(2 * self._credit_group)
 
     def take(self, wait: float) -> Item | None:
         """The next item, driving the connection for up to ``wait`` seconds; None if none came.
@@ -187,6 +186,7 @@ class Connection(Receiving):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         return None
+                    self._flush_credit(1)  # (about to wait: the server must not idle meanwhile)
                     self._step(min(left, self._tick))
             finally:
                 self._in_take = False
@@ -255,6 +255,7 @@ class Connection(Receiving):
             received = 0
             try:
                 if self._error is None:
+                    self._flush_credit(self._credit_group)
                     before = self._messages
                     # One message a turn, so the user's thread is never kept waiting for more.
                     self._step(0.0, limit=None if turn is None else 1)
@@ -328,12 +329,12 @@ class Connection(Receiving):
             self._error = error
         self._close_socket()
 
-    def _flush_credit(self) -> None:
-        """Return credit in groups of a quarter of hwm (fewer messages and wake-ups on both
-        sides), but at once when nothing is left to take, so the server never idles while the
-        user waits. Sent even before a Welcome: the server reads it after the Hello on the same
-        connection; without a socket, the next Hello's credit accounts for it."""
-        if self._pending_credit and (self._pending_credit >= self._credit_group or not self._items):
+    def _flush_credit(self, group: int) -> None:
+        """Return credit once ``group`` batches are pending, or nothing is left to take. The keep-alive
+        thread returns a quarter of hwm while the user trains, the user's thread twice that: a send
+        wakes libzmq's I/O thread, which on a busy host can cost the sender its time slice. Sent even
+        before a Welcome (the server reads it after the Hello); else the next Hello's includes it."""
+        if self._pending_credit and (self._pending_credit >= group or not self._items):
             self._send(Credit(self._pending_credit))
             self._pending_credit = 0
 
