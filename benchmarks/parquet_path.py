@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a small run: 0.05 GB, 2 rounds (a check, not a measurement)")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR, help="where the dataset is generated and reused")
     parser.add_argument("--results-dir", type=Path, default=None,
-                        help="where parquet.json/.md are written (default benchmarks/results; with --quick or "
+                        help="where parquet.json/.md/.png are written (default benchmarks/results; with --quick or "
                              "--before, a new temporary directory)")
     parser.add_argument("--before", type=Path, default=None, metavar="CHECKOUT",
                         help="also serve shuffled from this checkout of another revision (e.g. made with "
@@ -255,7 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if results_dir is None:
         quiet = args.quick or args.before is not None  # the published figures come from a plain run
         results_dir = Path(tempfile.mkdtemp(prefix="fuelline-bench-parquet-")) if quiet else RESULTS_DIR
-    run(args.rounds, args.gb, args.data_dir, results_dir, before=args.before)
+    record = run(args.rounds, args.gb, args.data_dir, results_dir, before=args.before)
+    from benchmarks import plots  # (matplotlib: only when a plot is drawn)
+
+    print(f"wrote {plots.for_record(record, results_dir)}", flush=True)
     return 0
 
 
