@@ -269,14 +269,13 @@ def breakdown(results: dict[str, list[Round]], extras: dict[int, dict[str, Any]]
 
 def _breakdown_note(b: dict[str, Any]) -> str:
     cores, clients, server, timing = b["factors"].values()
-    text = (f"Why {b['many']} deliver {b['measured']:.2f}× the windows/s of {b['one']} (over whole reads, "
+    return (f"Why {b['many']} deliver {b['measured']:.2f}× the windows/s of {b['one']} (over whole reads, "
             f"every window and connecting counted: server CPU {b['server_ms'][0]:.3f} → {b['server_ms'][1]:.3f} "
             f"ms/window; the clients' own CPU {b['clients_ms'][0]:.3f} → {b['clients_ms'][1]:.3f} ms/window, all "
             f"client processes together; share of the cores the two got {b['cores_got'][0]:.0%} → "
             f"{b['cores_got'][1]:.0%}): {b['measured']:.2f} = {cores:.2f} (cores got) × {clients:.2f} (clients' "
             f"CPU/window) × {server:.2f} (server CPU/window) × {timing:.2f} (timed from the first batch, not the "
             "whole read).")
-    return text
 
 
 def _kept_note(results: dict[str, list[Round]], one: str, many: str, kept: tuple[str, str]) -> str:
