@@ -9,7 +9,7 @@ blocks of 8 recordings. Contenders, alternately:
 - fuelline serve: a ``fuelline serve`` process read through ``ServerDataStream``;
 - in-process: ``WindowSource.iter_batches`` in the consumer's own process (read-ahead threads);
 - DataLoader, num_workers 0/1/2: a PyTorch ``DataLoader`` over an ``IterableDataset`` that decodes
-  recordings with fuelline's own code (``WindowSource.decode_unit``: read, align, window,
+  recordings with fuelline's own code (``WindowSource.windows``: read, align, window,
   normalise), mixes a block of recordings, and yields ready batches (``batch_size=None``: no
   per-sample collation); the source is built in each worker (``worker_init_fn``), workers persist
   across rounds, blocks are dealt to workers round-robin, pin_memory off (CPU).
@@ -121,10 +121,9 @@ class RecordingBatches:
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         self.epoch += 1  # every worker's copy counts its own epochs, in step with the others
         units = np.random.default_rng([self.seed, self.epoch]).permutation(np.flatnonzero(src.unit_rows(SPLIT)))
-        columns = src.column_specs(src.sources)
         carry: dict[str, np.ndarray] | None = None
         for b in range(worker, -(-len(units) // BLOCK_UNITS), workers):
-            parts = [src.decode_unit(SPLIT, int(u), columns) for u in units[b * BLOCK_UNITS : (b + 1) * BLOCK_UNITS]]
+            parts = [src.windows(SPLIT, int(u)) for u in units[b * BLOCK_UNITS : (b + 1) * BLOCK_UNITS]]
             table = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
             order = np.random.default_rng([self.seed, self.epoch, b]).permutation(len(table["label"]))
             lo = 0
@@ -267,7 +266,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         "after its warm-up pass, so its rounds gather, encode and send but decode nothing: what a long-running "
         "server gives from its second epoch on when the decoded data set fits its memory. Not like for like; "
         "the targets are judged on fuelline serve.",
-        "DataLoader: IterableDataset over recordings calling WindowSource.decode_unit and finish_batch (the same "
+        "DataLoader: IterableDataset over recordings calling WindowSource.windows and finish_batch (the same "
         "alignment, normalisation and cast), batch_size=None, the source built in each worker by worker_init_fn, "
         "persistent workers, pin_memory off, prefetch_factor 2; batches arrive as tensors (zero-copy to numpy).",
         f"best DataLoader: {best_dl}. fuelline serve delivers {served_over_ref:.1f}× the "

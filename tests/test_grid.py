@@ -70,12 +70,13 @@ def test_windows_cut_from_grids_equal_windows_resampled_one_by_one(dataset: Path
     for split in src.splits:
         for u in range(len(src.unit_rows(split))):
             signals, starts = src.recording(split, u)
-            got = src.decode_unit(split, u, src.column_specs(SOURCES))
+            got = src.windows(split, u)
             assert len(got["t_start"]) == len(starts) == src.unit_rows(split)[u]
             np.testing.assert_array_equal(got["t_start"], starts)
             for m in MODS:
                 close(got[m], resample(signals[m], starts, src.spec, channels_first=m not in NEAREST), f"{split} {u} {m}")
-                assert not got[m].flags.writeable  # shared by batches and clients
+            shared = src.decode_unit(split, u, src.column_specs(SOURCES))
+            assert not any(a.flags.writeable for a in shared.values())  # shared by batches and clients
             k = np.rint((starts - starts[0]) / hop).astype(int) if len(starts) else starts
             several_runs += bool(len(k)) and bool((np.diff(k) != 1).any())
     assert several_runs, "the data set should have recordings whose valid windows come in several runs"
@@ -186,4 +187,34 @@ def test_a_server_maps_grids_and_leaves_no_file_open_per_window(dataset: Path) -
     fds = len(os.listdir("/proc/self/fd"))
     list(src.iter_batches("train", 1, 0, 1, 0, SOURCES))
     assert len(os.listdir("/proc/self/fd")) <= fds
+    src.close()
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_served_rows_are_each_recordings_valid_windows_once(dataset: Path, shuffle: bool) -> None:
+    """Recordings whose valid windows come in several runs decode to views of their grids with
+    the rows they serve beside them (``ROWS``); every batch row is the right window, once."""
+    from fuelline.server.sources.block_reader import ROWS
+
+    src = WindowSource(str(dataset), batch_size=7, shuffle=shuffle, seed=4)
+    want: dict[int, dict[str, np.ndarray]] = {}
+    several = 0
+    for u in range(len(src.unit_rows("train"))):
+        shared = src.decode_unit("train", u, src.column_specs(SOURCES))
+        if ROWS in shared:
+            several += 1
+            assert len(shared["eeg"]) > len(shared[ROWS]) and shared["eeg"].base is not None  # a view, not a copy
+        w = src.windows("train", u)
+        for i, sid in enumerate(w["sample_id"].tolist()):
+            want[sid] = {k: w[k][i] for k in SOURCES}
+    assert several
+    served = [b for b in src.iter_batches("train", 0, 0, 1, 0, SOURCES)]
+    ids = np.concatenate([b["sample_id"] for b in served]).tolist()
+    assert sorted(ids) == sorted(want) and len(ids) == len(set(ids))
+    if not shuffle:
+        assert ids == list(want)  # storage order
+    for b in served:
+        for i, sid in enumerate(b["sample_id"].tolist()):
+            for k in SOURCES:
+                np.testing.assert_array_equal(b[k][i], want[sid][k], err_msg=f"{sid} {k}")
     src.close()

@@ -26,6 +26,7 @@ from fuelline.server.multimodal.align import Signal, Validity, WindowSpec, resam
 from fuelline.server.multimodal.grid import cut_windows, grid_arrays, points_per_hop, shaped
 from fuelline.server.multimodal.manifest import MODALITIES, NEAREST, Manifest, Recording
 from fuelline.server.multimodal.stages import Cast, Normalize, Pipeline, Stage
+from fuelline.server.sources.block_reader import ROWS
 from fuelline.server.sources.blocks import UnitSource
 from fuelline.server.sources.fingerprint import (
     callable_name,
@@ -237,31 +238,50 @@ class WindowSource(UnitSource):
 
     # -- windows ---------------------------------------------------------------------------------
     def _windows(self, split: _WindowSplit, u: int, limit: int | None = None) -> dict[str, np.ndarray]:
+        """A recording's valid windows, every source. Where they come in several runs (a device
+        dropped out in between) and ``limit`` is None, the arrays hold every window from the
+        first valid to the last, views of the grids rather than copies, and ``ROWS`` says which
+        rows are served."""
         index, rec = split.recordings[u]
         v = split.windows[u]
         k = np.flatnonzero(v.valid)[:limit]
-        starts = v.starts[k]
+        gaps = limit is None and len(k) > 0 and int(k[-1] - k[0]) + 1 > len(k)
+        held = np.arange(k[0], k[-1] + 1) if gaps else k  # the windows the arrays hold
         resampled = [m for m in self.modalities if self.steps[m] is None]
         signals = self._signals(rec, with_samples=True, only=resampled) if resampled else {}
         # video (windows, points, features), the others (windows, channels, points)
-        made = {m: resample(sig, starts, self.spec, channels_first=m not in NEAREST) for m, sig in signals.items()}
+        made = {m: resample(sig, v.starts[k], self.spec, channels_first=m not in NEAREST) for m, sig in signals.items()}
         # grids with a leading axis, where Normalize finds a batch's channels
         grids = {m: self._grid(rec, m)[None] for m in self.modalities if m not in made}
         made = self.per_recording({**made, **grids})
         out: dict[str, np.ndarray] = {}
         for m in self.modalities:
             step = self.steps[m]
-            out[m] = made[m] if step is None else cut_windows(
-                made[m][0], k, step, self.spec.points(self.manifest.modalities[m].rate), m in NEAREST)
-        out["label"] = np.full(len(k), self.manifest.label(rec), dtype=np.int64)
-        out["sample_id"] = index * SAMPLE_ID_STRIDE + k.astype(np.int64)
-        out["t_start"] = starts
+            if step is not None:
+                out[m] = cut_windows(made[m][0], held, step, self.spec.points(self.manifest.modalities[m].rate), m in NEAREST)
+            elif gaps:  # (the rows of invalid windows are never served)
+                out[m] = np.zeros((len(held), *made[m].shape[1:]), dtype=made[m].dtype)
+                out[m][k - k[0]] = made[m]
+            else:
+                out[m] = made[m]
+        out["label"] = np.full(len(held), self.manifest.label(rec), dtype=np.int64)
+        out["sample_id"] = index * SAMPLE_ID_STRIDE + held.astype(np.int64)
+        out["t_start"] = v.starts[held]
+        if gaps:
+            out[ROWS] = (k - k[0]).astype(np.int64)
         for arr in out.values():
             # Decoded windows are shared (by the batches cut from them, by every client through
-            # the decoded units): read-only, so that a batch is written in place only where it
-            # is its own memory (``finish_batch`` normalises in place where it may).
+            # the decoded units): read-only, so that nothing shared is ever written.
             arr.setflags(write=False)
         return out
+
+    def windows(self, split: str, u: int) -> dict[str, np.ndarray]:
+        """Recording ``u``'s valid windows, every source, one row per window, as the server
+        decodes them (aligned and normalised, before the per-batch stages): for code that builds
+        its own batches from them."""
+        out = self._windows(self._splits[split], u)
+        served = out.pop(ROWS, None)
+        return out if served is None else {k: a[served] for k, a in out.items()}
 
     def recording(self, split: str, u: int) -> tuple[dict[str, Signal], np.ndarray]:
         """Recording ``u`` of a split as stored (every modality's master times and samples) and

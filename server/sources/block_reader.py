@@ -13,9 +13,13 @@ import numpy as np
 from fuelline.protocol import DataError
 from fuelline.server.sources.ordering import EpochPlan
 
-__all__ = ["BlockReader", "Column"]
+__all__ = ["BlockReader", "Column", "ROWS"]
 
 log = logging.getLogger("fuelline.server")
+
+# In a decoded unit, beside its columns: which rows of its arrays the unit serves, in order, when
+# they hold more (rows it skips, so that the rest can stay views of one buffer); absent, all rows.
+ROWS = "\x00rows"
 
 
 class Column(Protocol):
@@ -171,6 +175,11 @@ class BlockReader:
         units = np.searchsorted(self.unit_start, rows, side="right") - 1
         offsets = rows - self.unit_start[units]
         parts = self._parts(units)
+        for u in np.unique(units).tolist():
+            served = parts.get(u, {}).get(ROWS)
+            if served is not None:
+                drawn = units == u
+                offsets[drawn] = served[offsets[drawn]]
         if self.lost:
             keep = ~np.isin(units, list(self.lost))
             units, offsets = units[keep], offsets[keep]
@@ -206,16 +215,16 @@ class BlockReader:
         # In order of first appearance, so the block held longest is the one released first.
         _, firsts = np.unique(blocks, return_index=True)
         needed = blocks[np.sort(firsts)].tolist()
+        # Blocks this gather does not draw from are behind it (a rank's rows go through the
+        # blocks in order; its wrap-around padding reads the first ones again, decoded anew):
+        # let them go now rather than when the next block is built, and before the block after
+        # this one is read ahead. A block's units are freed together, and the fewer are held,
+        # the more of that memory the next block's decode reuses instead of faulting in afresh.
+        for b in [b for b in self.blocks if b not in needed]:
+            del self.blocks[b]
         parts: dict[int, dict[str, np.ndarray]] = {}
         for b in needed:
             parts.update(self.block(b))
-        # Blocks this gather does not draw from are behind it (a rank's rows go through the
-        # blocks in order; its wrap-around padding reads the first ones again, decoded anew):
-        # let them go now rather than when the next block is built. A block's units are freed
-        # together, and the fewer are held, the more of that memory the next block's decode
-        # reuses instead of faulting in afresh.
-        for b in [b for b in self.blocks if b not in needed]:
-            del self.blocks[b]
         return parts
 
     def _copy(self, units: np.ndarray, offsets: np.ndarray, parts: dict[int, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
