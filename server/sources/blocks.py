@@ -107,7 +107,13 @@ class UnitSource(BatchSource):
 
     @abc.abstractmethod
     def decode_unit(self, split: str, u: int, columns: Sequence[Column]) -> dict[str, np.ndarray]:
-        """Unit ``u`` of a split as one array per column; DataError naming the file if it fails."""
+        """Unit ``u`` of a split as one array per column; DataError naming the file if it fails.
+
+        The arrays may be views, non-contiguous ones too (windows of a signal): a reader copies
+        a batch's rows straight from them by fancy indexing, which reads only those rows, and
+        serves a batch that is a run of one unit as a view of it. So nothing may write to them
+        once returned (shared decoded units are made read-only).
+        """
 
     def prefetch_units(self, split: str, units: Sequence[int]) -> None:
         """Start fetching what decoding ``units`` will need (remote shards into the local cache)
