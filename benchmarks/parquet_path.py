@@ -23,7 +23,16 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from benchmarks.common import DEFAULT_DATA_DIR, RESULTS_DIR, Contender, Round, ServerProcess, alternate, progress, time_batches
+from benchmarks.common import (
+    DEFAULT_DATA_DIR,
+    RESULTS_DIR,
+    Contender,
+    Round,
+    ServerProcess,
+    alternate,
+    progress,
+    time_batches,
+)
 from benchmarks.report import Metric, RatioSpec, build_report, environment, write_results
 from fuelline.client import ServerDataStream
 from fuelline.server.sources.sample import write_sample_dataset
