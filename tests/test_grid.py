@@ -218,3 +218,26 @@ def test_served_rows_are_each_recordings_valid_windows_once(dataset: Path, shuff
             for k in SOURCES:
                 np.testing.assert_array_equal(b[k][i], want[sid][k], err_msg=f"{sid} {k}")
     src.close()
+
+
+def test_decoded_units_are_budgeted_at_their_grids_bytes_not_their_windows(dataset: Path) -> None:
+    """Windows at a 1 s hop of 2 s overlap twice over: the decoded cache counts the grid they are
+    views of once, so a budget holds twice the windows it would if each view counted in full."""
+    from fuelline.server.cache.decoded import held_bytes
+
+    g = np.zeros((14, 1000), dtype=np.float32)
+    views = np.lib.stride_tricks.sliding_window_view(g, 256, axis=1)[:, ::128].transpose(1, 0, 2)
+    assert held_bytes({"eeg": views, "some": views[2:5], "label": np.arange(7)}) == g.nbytes + 7 * 8
+    src = WindowSource(str(dataset), decoded_cache_mb=64)
+    for _ in src.iter_batches("train", 0, 0, 1, 0, SOURCES):
+        pass
+    kept = src._decoded
+    assert kept is not None and len(kept) == len(src.unit_rows("train"))
+    want = views_total = 0
+    for u, (_, rec) in enumerate(src._splits["train"].recordings):
+        unit = src.decode_unit("train", u, src.column_specs(SOURCES))
+        small = sum(a.nbytes for k, a in unit.items() if k not in MODS)
+        want += small + sum(int(np.prod(src._grid(rec, m).shape)) * 4 for m in MODS)
+        views_total += small + sum(unit[m].nbytes for m in MODS)
+    assert kept.held_bytes == want < views_total
+    src.close()

@@ -22,7 +22,24 @@ import numpy as np
 
 from fuelline.server.sources.counters import Counts
 
-__all__ = ["DecodedUnits"]
+__all__ = ["DecodedUnits", "held_bytes"]
+
+
+def held_bytes(arrays: dict) -> int:
+    """The memory a decoded unit's arrays hold: each buffer they are views of, counted once. A
+    unit's windows may be overlapping views of one grid (``fuelline.server.multimodal.grid``),
+    which hold the grid's bytes, not the sum of the windows' sizes."""
+    owners: dict[int, int] = {}
+    for arr in arrays.values():
+        if not isinstance(arr, np.ndarray):
+            continue
+        owner, obj = arr, arr.base
+        while obj is not None:  # (through numpy's own wrappers, e.g. a sliding window's)
+            if isinstance(obj, np.ndarray):
+                owner = obj
+            obj = getattr(obj, "base", None)
+        owners[id(owner)] = owner.nbytes
+    return sum(owners.values())
 
 
 class DecodedUnits:
@@ -71,10 +88,11 @@ class DecodedUnits:
         failed = future.cancelled() or future.exception() is not None
         size = 0
         if not failed:
-            for arr in future.result().values():
+            arrays = future.result()
+            for arr in arrays.values():
                 if isinstance(arr, np.ndarray):
                     arr.setflags(write=False)  # shared by every reader from now on
-                    size += arr.nbytes
+            size = held_bytes(arrays)
         with self._lock:
             if self._units.get(key) is not future:
                 return  # replaced meanwhile (it had been cancelled and asked for again)
