@@ -154,9 +154,11 @@ def test_placements_are_one_row_group_per_recording_in_shard_order(converted) ->
         for m, place in rec.modalities.items():
             assert place.file == f"{m}/part-{i // 5:05d}.parquet"
             assert place.grid_file == f"{m}/grid-{i // 5:05d}.arrow"
+            assert place.zgrid_file == f"{m}/zgrid-{i // 5:05d}.arrow"
             assert place.row_group == i % 5
     for m in MODALITIES:
-        assert sorted(f.name for f in (dataset / m).glob("grid-*")) == ["grid-00000.arrow", "grid-00001.arrow", "grid-00002.arrow"]
+        for kind in ("grid", "zgrid"):
+            assert sorted(f.name for f in (dataset / m).glob(f"{kind}-*")) == [f"{kind}-0000{i}.arrow" for i in range(3)]
         files = sorted((dataset / m).glob("part-*"))
         assert [f.name for f in files] == ["part-00000.parquet", "part-00001.parquet", "part-00002.parquet"]
         assert [pq.ParquetFile(f).metadata.num_row_groups for f in files] == [5, 5, 2]

@@ -70,9 +70,9 @@ def test_converted_dataset_from_s3_is_served_as_from_disk_cold_then_warm(
     for split in ("train", "val"):
         assert_same(read_split(local.endpoint, split, epochs=2), read_split(cold.endpoint, split, epochs=2))
     counters = storage_counters(cold.endpoint)
-    # Windows at a 1 s hop are cut from the grids: those files are fetched whole, once each (the
-    # start-up scan reads only the Parquet shards' timestamps, by range).
-    files = {p.grid_file for r in Manifest.load(str(converted)).recordings for p in r.modalities.values()}
+    # Windows at a 1 s hop are cut from the z-scored grids: those files are fetched whole, once
+    # each (the start-up scan reads only the Parquet shards' timestamps, by range).
+    files = {p.zgrid_file for r in Manifest.load(str(converted)).recordings for p in r.modalities.values()}
     assert counters["remote_fetches"] == counters["cache_disk_misses"] == len(files)
     assert counters["remote_bytes"] == sum((converted / f).stat().st_size for f in files)
     assert counters["cache_disk_corrupt"] == counters["cache_disk_evictions"] == 0

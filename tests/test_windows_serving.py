@@ -216,9 +216,9 @@ def _as_older_format(dataset: Path, fmt: str) -> None:
     manifest["format"] = fmt
     for r in manifest["recordings"]:
         for p in r["modalities"].values():
-            del p["grid_file"], p["grid_points"]
+            del p["grid_file"], p["grid_points"], p["zgrid_file"]
     (dataset / "manifest.json").write_text(json.dumps(manifest))
-    for grid in dataset.glob("*/grid-*.arrow"):
+    for grid in dataset.glob("*/*grid-*.arrow"):
         grid.unlink()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 from fuelline.protocol import DataError, OptionError
@@ -102,12 +103,14 @@ def summary(manifest: Manifest, dataset: str, seconds: float) -> str:
     )
     source_mb, dataset_mb = manifest.source_bytes / 1e6, manifest.dataset_bytes / 1e6
     rate = source_mb / seconds if seconds > 0 else float("inf")
-    ratio = manifest.source_bytes / manifest.dataset_bytes
+    files = sorted({p.file for r in manifest.recordings for p in r.modalities.values()})
+    shards = sum(os.path.getsize(os.path.join(dataset, f)) for f in files)
     return (
         f"wrote {dataset}: {len(manifest.recordings)} recordings ({per_split})\n"
         f"rows: {rows}\n"
         f"read {source_mb:.1f} MB of TSV in {seconds:.2f}s ({rate:.1f} MB/s), "
-        f"wrote {dataset_mb:.1f} MB; compression {ratio:.1f}:1"
+        f"wrote {dataset_mb:.1f} MB: Parquet shards {shards / 1e6:.1f} MB (compression {manifest.source_bytes / shards:.1f}:1) "
+        f"and master grids, raw and z-scored, {(manifest.dataset_bytes - shards) / 1e6:.1f} MB"
     )
 
 

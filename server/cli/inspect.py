@@ -1,8 +1,8 @@
 """``fuelline inspect DATASET [--json]``: what a dataset holds and what a server would serve.
 
 For a converted multimodal dataset: recordings per split and emotion, valid windows per class and
-dropped windows per reason (for the given --window/--hop/--max-gap), bytes on disk and the
-compression ratio against the raw TSV. For a plain Parquet dataset: splits, rows, files, row
+dropped windows per reason (for the given --window/--hop/--max-gap), bytes on disk, the
+compression of the Parquet shards against the raw TSV, and the bytes of the master grids. For a plain Parquet dataset: splits, rows, files, row
 groups, the columns served and those that are not.
 """
 
@@ -32,6 +32,9 @@ def describe(
 
         src = WindowSource(path, window=window, hop=hop, max_gap=max_gap, normalize="none", cache_dir=cache_dir, cache_mb=cache_mb)
         m = src.manifest
+        places = [p for r in m.recordings for p in r.modalities.values()]
+        shards = sum(store.stat(f).size for f in sorted({p.file for p in places}))
+        grids = sum(store.stat(f).size for f in sorted({f for p in places for f in (p.grid_file, p.zgrid_file)}))
         return {
             "dataset": name,
             "kind": "multimodal",
@@ -49,7 +52,10 @@ def describe(
             },
             "disk_bytes": disk,
             "source_bytes": m.source_bytes,
-            "compression_ratio": round(m.source_bytes / disk, 2) if disk else None,
+            "shard_bytes": shards,
+            "grid_bytes": grids,
+            # (the recordings as Parquet shards against the TSV; the grids are a copy for speed)
+            "compression_ratio": round(m.source_bytes / shards, 2) if shards else None,
         }
     from fuelline.server.sources.parquet import ParquetSource
 
@@ -77,7 +83,9 @@ def _print(report: dict[str, Any]) -> None:
             for reason, n in s["dropped_windows"].items():
                 print(f"    dropped: {reason}: {n}")
         ratio = report["compression_ratio"]
-        print(f"  raw TSV {report['source_bytes'] / 1e6:.1f} MB, compression {ratio}:1" if ratio else "")
+        if ratio:
+            print(f"  raw TSV {report['source_bytes'] / 1e6:.1f} MB → Parquet shards {report['shard_bytes'] / 1e6:.1f} MB, "
+                  f"compression {ratio}:1; master grids (raw and z-scored) {report['grid_bytes'] / 1e6:.1f} MB")
     else:
         for split, s in report["splits"].items():
             print(f"  {split}: {s['rows']} rows in {s['files']} files, {s['row_groups']} row groups")

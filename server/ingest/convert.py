@@ -27,7 +27,7 @@ from fuelline.protocol import DataError, OptionError
 from fuelline.protocol.common.atomic import atomic_directory
 from fuelline.server.ingest.rawformat import RawDataset, RawRecording, RawSignal, check_same_channels
 from fuelline.server.multimodal.align import Signal
-from fuelline.server.multimodal.grid import GridWriter, grid_file, recording_grids
+from fuelline.server.multimodal.grid import GridWriter, grid_file, recording_grids, write_zscored, zgrid_file
 from fuelline.server.multimodal.manifest import (
     EMOTIONS,
     MANIFEST_NAME,
@@ -162,6 +162,7 @@ class _Shard:
                 file=self.files[modality], row_group=self.row_groups, rows=table.num_rows,
                 t_first=float(signal.t[0]), t_last=float(signal.t[-1]),
                 grid_file=grid_file(self.files[modality]), grid_points=grids[modality].shape[0 if signal.nearest else 1],
+                zgrid_file=zgrid_file(self.files[modality]),
             )
         self.row_groups += 1
         return placements
@@ -244,6 +245,13 @@ class _Conversion:
             if split == "train":
                 self.stats[modality].add(signal.x)
 
+    def zscore_grids(self) -> None:
+        """The z-scored twin of every grid file, now that the train split's statistics are known."""
+        stats = {m: s.result() for m, s in self.stats.items()}
+        files = {(p.grid_file, p.zgrid_file, m) for r in self.recordings for m, p in r.modalities.items()}
+        for grid, zgrid, m in sorted(files):
+            write_zscored(os.path.join(self.root, grid), os.path.join(self.root, zgrid), stats[m], m in NEAREST)
+
     def manifest(self, seed: int, val_fraction: float, extra: Mapping[str, object]) -> Manifest:
         """Save manifest.json; ``dataset_bytes`` counts the manifest itself, hence the fixed point."""
         parquet_bytes = sum(
@@ -322,6 +330,7 @@ def _write(source: RawDataset, root: str, splits: Mapping[str, str], seed: int, 
     with tqdm(total=len(source.recordings), unit="recording", disable=not _show_progress(progress),
               file=sys.stderr, desc="convert") as bar:
         conversion.write_shards(recordings_per_shard, min(READ_THREADS, os.cpu_count() or 1), bar)
+    conversion.zscore_grids()
     extra = {"recordings_per_shard": recordings_per_shard, "compression": COMPRESSION}
     return conversion.manifest(seed, val_fraction, extra)
 

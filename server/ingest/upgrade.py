@@ -23,7 +23,15 @@ from tqdm import tqdm
 
 from fuelline.protocol import DataError
 from fuelline.server.multimodal.align import Signal
-from fuelline.server.multimodal.grid import GridWriter, grid_file, grid_origin, grid_points, on_master_grid
+from fuelline.server.multimodal.grid import (
+    GridWriter,
+    grid_file,
+    grid_origin,
+    grid_points,
+    on_master_grid,
+    write_zscored,
+    zgrid_file,
+)
 from fuelline.server.multimodal.manifest import (
     FORMAT,
     MANIFEST_NAME,
@@ -48,7 +56,7 @@ def upgrade(dataset: str, progress: bool | None = None) -> tuple[Manifest, str]:
     """
     if is_uri(dataset):
         raise DataError(f"{dataset}: upgrade works on a local copy of a dataset; upgrade one and upload "
-                        "the files it adds (<modality>/grid-*.arrow) and its new manifest.json")
+                        "the files it adds (<modality>/grid-*.arrow, <modality>/zgrid-*.arrow) and its new manifest.json")
     manifest = Manifest.load(dataset, formats=(*UPGRADABLE_FORMATS, FORMAT))
     if manifest.format == FORMAT:
         return manifest, FORMAT
@@ -107,10 +115,13 @@ def _grid_file(root: str, file: str, placed: list[tuple[Recording, str]], spans:
                 grid = on_master_grid(Signal(table.column("t").to_numpy(), x, rate, nearest=m in NEAREST), t0,
                                       grid_points(t0, t_end, rate))
                 writer.append(grid)
-                out[(rec.id, m)] = replace(p, grid_file=target, grid_points=grid.shape[0 if m in NEAREST else 1])
+                out[(rec.id, m)] = replace(p, grid_file=target, grid_points=grid.shape[0 if m in NEAREST else 1],
+                                           zgrid_file=zgrid_file(file))
                 bar.update()
         writer.close()
         os.replace(temporary, final)  # a new file: a server that maps the old one keeps its map
+        modality = placed[0][1]
+        write_zscored(final, os.path.join(root, zgrid_file(file)), manifest.stats[modality], modality in NEAREST)
     except BaseException:
         writer.close()
         if os.path.exists(temporary):

@@ -17,13 +17,16 @@ sample is never served.
 
 On disk: per shard and modality, one Arrow IPC file (``<modality>/grid-NNNNN.arrow``) beside the
 Parquet shard, holding record batch i for the shard's row group i: one float32 column ``x``, the
-grid flattened, uncompressed, so that a server maps the file and slices it without decoding.
+grid flattened, uncompressed, so that a server maps the file and slices it without decoding; and
+``<modality>/zgrid-NNNNN.arrow``, the same grids z-scored per channel with the train split's
+statistics, which is what a server normalising with them (the default) serves: it then maps the
+windows it sends, normalised, without a pass over them.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -31,7 +34,7 @@ import pyarrow as pa
 from fuelline.protocol import DataError
 from fuelline.server.multimodal.align import Signal, WindowSpec, sample_on_grid
 
-__all__ = ["SCHEMA", "grid_file", "grid_points", "grid_origin", "on_master_grid", "points_per_hop",
+__all__ = ["SCHEMA", "grid_file", "zgrid_file", "write_zscored", "grid_points", "grid_origin", "on_master_grid", "points_per_hop",
            "GridWriter", "grid_arrays", "shaped", "recording_grids", "cut_windows"]
 
 SCHEMA = pa.schema([pa.field("x", pa.float32(), nullable=False)], metadata={"fuelline.grid": "1"})
@@ -43,6 +46,37 @@ def grid_file(parquet_file: str) -> str:
     folder, name = os.path.split(parquet_file)
     stem = name[: -len(".parquet")] if name.endswith(".parquet") else name
     return os.path.join(folder, stem.replace("part-", "grid-", 1) + ".arrow").replace("\\", "/")
+
+
+def zgrid_file(parquet_file: str) -> str:
+    """The z-scored grid file that goes with a Parquet shard (``eeg/zgrid-00003.arrow``)."""
+    folder, name = os.path.split(grid_file(parquet_file))
+    return os.path.join(folder, "z" + name).replace("\\", "/")
+
+
+def write_zscored(source: str, target: str, stats: Mapping[str, Sequence[float]], nearest: bool) -> None:
+    """``target``: every grid of the grid file ``source`` z-scored per channel with ``stats``
+    (``{"mean": [...], "std": [...]}``), by the very operations a server would apply to it, so
+    that serving from it gives the same bits. Written under a temporary name, then renamed."""
+    from fuelline.server.multimodal.stages import Normalize
+
+    channels = len(stats["mean"])
+    # (the modality's name only tells Normalize where a batch has its channels)
+    name, norm = ("video", Normalize({"video": stats})) if nearest else ("eeg", Normalize({"eeg": stats}))
+    temporary = f"{target}.tmp-{os.getpid()}"
+    writer = GridWriter(temporary)
+    try:
+        with pa.memory_map(source, "r") as mapped:
+            for flat in grid_arrays(mapped, source):
+                grid = flat.reshape((-1, channels) if nearest else (channels, -1))
+                writer.append(norm({name: grid[None]})[name][0])
+        writer.close()
+        os.replace(temporary, target)
+    except BaseException:
+        writer.close()
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+        raise
 
 
 def grid_origin(first_times: Mapping[str, float]) -> float:
@@ -91,8 +125,9 @@ class GridWriter:
         self._writer.write_batch(pa.record_batch([pa.array(flat, pa.float32())], schema=SCHEMA))
 
     def close(self) -> None:
-        self._writer.close()
-        self._sink.close()
+        if not self._sink.closed:
+            self._writer.close()
+            self._sink.close()
 
 
 def grid_arrays(source: pa.MemoryMappedFile, where: str) -> list[np.ndarray]:

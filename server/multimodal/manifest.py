@@ -12,6 +12,7 @@ Layout of a converted dataset::
       <modality>/grid-NNNNN.arrow     the same recordings resampled onto their master grids, one
                                       record batch per row group (format 3,
                                       ``fuelline.server.multimodal.grid``)
+      <modality>/zgrid-NNNNN.arrow    the same grids z-scored with the train split's statistics
 
 The manifest says everything a server needs before reading a sample: the modalities (nominal
 rate, channel names), the emotions, each recording (metadata, split, and per modality where its
@@ -85,15 +86,17 @@ class Placement:
     t_last: float
     grid_file: str = ""  # the recording on its master grid: record batch ``row_group`` of this file
     grid_points: int = 0  # (format 3; empty in the formats before)
+    zgrid_file: str = ""  # the same grid z-scored (format 3)
 
     def __post_init__(self) -> None:
         # A manifest must not point a server at files outside its dataset.
-        for name in (self.file, self.grid_file):
+        for name in (self.file, self.grid_file, self.zgrid_file):
             parts = name.replace("\\", "/").split("/")
             if os.path.isabs(name) or ".." in parts or (not name and name is self.file):
                 raise ValueError(f"file {name!r} must be a path inside the dataset")
-        if self.grid_points < 0 or bool(self.grid_file) != (self.grid_points > 0):
-            raise ValueError(f"placement in {self.file!r} has grid {self.grid_file!r} of {self.grid_points} points")
+        if self.grid_points < 0 or not bool(self.grid_file) == bool(self.zgrid_file) == (self.grid_points > 0):
+            raise ValueError(f"placement in {self.file!r} has grids {self.grid_file!r}, {self.zgrid_file!r} "
+                             f"of {self.grid_points} points")
         if self.row_group < 0 or self.rows < 1 or not self.t_first <= self.t_last:
             raise ValueError(f"placement in {self.file!r} has row group {self.row_group}, {self.rows} rows, "
                              f"times {self.t_first}..{self.t_last}")
@@ -194,7 +197,7 @@ class Manifest:
                 for r in recordings:
                     for k, p in r.modalities.items():
                         if not p.grid_file:
-                            raise ValueError(f"recording {r.id!r}, {k}: no grid (format {FORMAT} has one per placement)")
+                            raise ValueError(f"recording {r.id!r}, {k}: no grids (format {FORMAT} has them per placement)")
             return cls(
                 modalities=modalities, recordings=recordings, stats=data["stats"],
                 source_bytes=int(data["source_bytes"]), dataset_bytes=int(data["dataset_bytes"]),

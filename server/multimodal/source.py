@@ -123,10 +123,9 @@ class WindowSource(UnitSource):
         # Windows are cut from each modality's master grid where the hop is a whole number of its
         # periods (``fuelline.server.multimodal.grid``), else resampled one by one.
         self.steps = {m: points_per_hop(self.spec, self.manifest.modalities[m].rate) for m in self.modalities}
-        # Normalisation works sample by sample, so it runs where a recording's samples are made:
-        # in place on freshly resampled windows, and on each grid before windows are cut from it
-        # (each grid point once, however much the windows overlap; kept with the decoded units).
-        # Then, per batch, the user's stages and the cast.
+        # Normalisation works sample by sample: windows cut from grids come z-scored from the
+        # dataset (``zgrid`` files, by the same operations), freshly resampled ones are normalised
+        # in place where they are made. Then, per batch, the user's stages and the cast.
         self.per_recording = Pipeline([Normalize(self.manifest.stats, in_place=True)] if normalize == "zscore" else [])
         self.pipeline = Pipeline([*stages, Cast()])
         self._grid_files: dict[str, Any] = {}  # local grid files, mapped once
@@ -178,19 +177,20 @@ class WindowSource(UnitSource):
         p = rec.modalities[modality]
         channels = len(self.manifest.modalities[modality].channels)
         shape = (p.grid_points, channels) if modality in NEAREST else (channels, p.grid_points)
-        where = f"grid {self.store.where(p.grid_file)}"
+        file = p.zgrid_file if self.normalize == "zscore" else p.grid_file
+        where = f"grid {self.store.where(file)}"
         if self._grid_files is None:  # (a worker process's copy)
             self._grid_files = {}
         # A local file is mapped once and for all; a remote one's disk-cache copy each time (the
         # cache may replace it).
-        grids = self._grid_files.get(p.grid_file)
+        grids = self._grid_files.get(file)
         if grids is None:
             try:
-                grids = grid_arrays(self.store.open_local(p.grid_file), where)
+                grids = grid_arrays(self.store.open_local(file), where)
             except OSError as exc:
                 raise DataError(f"{where}: {exc}") from None
             if not self.store.remote:
-                grids = self._grid_files.setdefault(p.grid_file, grids)
+                grids = self._grid_files.setdefault(file, grids)
         return shaped(grids, p.row_group, shape, f"{where} (recording {rec.id}, {modality})")
 
     def _signals(self, rec: Recording, with_samples: bool, only: Sequence[str] | None = None) -> dict[str, Signal]:
@@ -251,14 +251,12 @@ class WindowSource(UnitSource):
         signals = self._signals(rec, with_samples=True, only=resampled) if resampled else {}
         # video (windows, points, features), the others (windows, channels, points)
         made = {m: resample(sig, v.starts[k], self.spec, channels_first=m not in NEAREST) for m, sig in signals.items()}
-        # grids with a leading axis, where Normalize finds a batch's channels
-        grids = {m: self._grid(rec, m)[None] for m in self.modalities if m not in made}
-        made = self.per_recording({**made, **grids})
+        made = self.per_recording(made)
         out: dict[str, np.ndarray] = {}
         for m in self.modalities:
             step = self.steps[m]
             if step is not None:
-                out[m] = cut_windows(made[m][0], held, step, self.spec.points(self.manifest.modalities[m].rate), m in NEAREST)
+                out[m] = cut_windows(self._grid(rec, m), held, step, self.spec.points(self.manifest.modalities[m].rate), m in NEAREST)
             elif gaps:  # (the rows of invalid windows are never served)
                 out[m] = np.zeros((len(held), *made[m].shape[1:]), dtype=made[m].dtype)
                 out[m][k - k[0]] = made[m]
@@ -310,7 +308,7 @@ class WindowSource(UnitSource):
         if self.store.remote:
             recordings = self._splits[split].recordings
             files = (
-                p.file if self.steps[m] is None else p.grid_file
+                p.file if self.steps[m] is None else (p.zgrid_file if self.normalize == "zscore" else p.grid_file)
                 for u in units for m, p in recordings[int(u)][1].modalities.items() if m in self.steps
             )
             self.store.prefetch(dict.fromkeys(files))
