@@ -222,6 +222,9 @@ def headlines(results_dir: Path) -> list[dict[str, Any]]:
                 rec["kept_over_reference"], None)
     if (rec := _load(results_dir, "overlap")) is not None:
         add("overlap", "start_server + ServerDataStream: time / ideal", rec["served_over_ideal"], rec["target_max"], False)
+        if rec.get("served_over_alone_per_round") is not None:
+            add("overlap", "start_server + ServerDataStream / training alone", rec["served_over_alone_per_round"],
+                rec["target_max"], False)
         add("overlap", "single process: time / ideal", rec["single_over_ideal"], None, False)
     if (rec := _load(results_dir, "scaling")) is not None:
         c = rec["clients"]
