@@ -39,8 +39,8 @@ def _text(page: Path) -> str:
 
 
 def test_the_site_builds_strict_with_every_page_of_the_nav(site: Path) -> None:
-    for page in ("index", "concepts", "glossary", "serving", "training-loop", "trainer", "operations", "deploy",
-                 "security", "guarantees", "benchmarks", "cli", "api"):
+    for page in ("index", "concepts", "glossary", "serving", "training-loop", "trainer", "operations", "sizing",
+                 "deploy", "security", "guarantees", "benchmarks", "cli", "api"):
         path = site / "index.html" if page == "index" else site / page / "index.html"
         assert path.is_file(), page
 
