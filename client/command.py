@@ -7,7 +7,6 @@ import argparse
 import json
 import re
 import time
-from collections import Counter
 from typing import Any, Mapping
 
 from fuelline.client.agreement import SKIPPED
@@ -76,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
         hwm=args.hwm, timeout=args.timeout, connect_timeout=args.connect_timeout, curve_keys=args.curve_keys,
     ) as stream:
         info = stream.info  # (every server's Welcome: what they left out at start-up is known before reading)
-        seen = Counter(stream.data_losses)
         for epoch in range(args.epochs):
+            number = stream.state_dict()["epoch"]  # the server's number of the epoch read now
             batches = rows = nbytes = 0
             ids: list = []
             start = time.perf_counter()
@@ -89,11 +88,7 @@ def run(args: argparse.Namespace) -> int:
                 if "sample_id" in batch:
                     ids.append(batch["sample_id"])
             seconds = time.perf_counter() - start
-            now = Counter(stream.data_losses)
-            # A part is told of again when its batches are (a reconnect, the move to a local
-            # socket): within an epoch, the same words are the same part.
-            losses, seen = list(dict.fromkeys((now - seen).elements())), now
-            left = left_out(info, losses)
+            left = left_out(info, stream.data_losses_in(number))
             report: dict[str, Any] = {
                 "epoch": epoch,
                 "batches": batches,

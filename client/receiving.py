@@ -61,6 +61,7 @@ class Receiving:
     welcome: Welcome | None
     fingerprint: dict[str, str] | None
     data_losses: list[str]
+    data_loss_epochs: list[int]
     resumes_after_loss: int
     BACKOFF_MIN: float
     _fingerprint_at: str
@@ -211,7 +212,10 @@ class Receiving:
                 self._fail(RemoteError(msg.code, msg.message, peer=self.endpoint))
             else:
                 if msg.code == ErrorCode.DATA_LOSS:
+                    # Sent in order with the batches: the epoch of the next batch due is the
+                    # epoch whose rows were left out, however far ahead of the consumer we read.
                     self.data_losses.append(msg.message)
+                    self.data_loss_epochs.append(self._pos[0])
                 log.warning("server %s: %s [%s]", self.endpoint, msg.message, msg.code)
         elif isinstance(msg, Bye):
             log.warning("server %s said bye: %s", self.endpoint, msg.reason)

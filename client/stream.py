@@ -213,6 +213,12 @@ class ServerDataStream:
         at_start = [x for conn in self._conns if conn.welcome is not None for x in left_out_at_start(conn.welcome.info)]
         return list(dict.fromkeys(at_start)) + [loss for conn in self._conns for loss in conn.data_losses]
 
+    def data_losses_in(self, epoch: int) -> list[str]:
+        """What the servers left out of ``epoch`` while reading it, in their words, each part once
+        (a part is told of again when its batches are: a reconnect, the move to a local socket)."""
+        return list(dict.fromkeys(
+            loss for conn in self._conns for loss, at in zip(conn.data_losses, conn.data_loss_epochs) if at == epoch))
+
     @property
     def transports(self) -> list[str]:
         """Where each server connection reads from now: its TCP endpoint, or the ipc path of a

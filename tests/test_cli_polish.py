@@ -186,11 +186,13 @@ def test_data_losses_include_the_shards_left_out_at_start_up(sample_dataset: Pat
     # (Over TCP alone: a move to the local socket can tell of a part twice, as its batches come again.)
     with ServerDataStream(("sample_id",), endpoints=[server.endpoint], timeout=10, local=False) as stream:
         ids = {int(x) for batch in stream.get_epoch_iterator() for x in batch[0]}
-        losses = stream.data_losses
+        losses, first = stream.data_losses, stream.data_losses_in(0)
     assert len(ids) == 8000 - 2000 - 500, len(ids)  # a truncated shard and a row group less
-    assert isinstance(losses, list) and len(losses) == 2, losses
-    assert str(truncated) in losses[0] and "at start-up" in losses[0] and "not a readable Parquet file" in losses[0]
-    assert str(damaged) in losses[1] and "its 500 rows are left out" in losses[1]
+    assert isinstance(losses, list) and str(truncated) in losses[0], losses
+    assert "at start-up" in losses[0] and "not a readable Parquet file" in losses[0]
+    assert len(first) == 1 and str(damaged) in first[0] and "its 500 rows are left out" in first[0], first
+    # (every notice since: the server, reading ahead, may already have told of the next epoch's)
+    assert losses[1] == first[0] and set(losses[1:]) == set(first), losses
 
 
 def test_stream_reports_what_the_servers_left_out_each_epoch(sample_dataset: Path, tmp_path: Path,
