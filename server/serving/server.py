@@ -124,6 +124,9 @@ class Server(Listener):
         self.checksum = checksum
         self.limits = limits
         self.sessions: dict[bytes, Session] = {}
+        # Sessions whose peer was gone when a send reached it: dropped once what it sent last
+        # (a Bye, say, queued before its connection closed) has been read.
+        self._vanished: dict[bytes, Session] = {}
         # The memory tier: the last K batches sent to each client, plus the up to hwm prepared
         # ahead of them (held anyway), so a client that lost its in-flight batches gets them again.
         self.recent = RecentBatches(memory_cache + hwm) if memory_cache else None
@@ -164,6 +167,12 @@ class Server(Listener):
                 if now >= next_tick:
                     self._keepalive(now)
                     next_tick = now + tick
+                if self._vanished:
+                    self._drain_requests(router)
+                    for rid, session in self._vanished.items():
+                        if self.sessions.get(rid) is session:
+                            self._drop(session, "disconnected")
+                    self._vanished.clear()
         finally:
             self._shutdown(self._stop_reason or "server loop ended")
 
@@ -208,9 +217,10 @@ class Server(Listener):
         except zmq.ZMQError as exc:
             if exc.errno in (errno.EHOSTUNREACH, errno.EAGAIN):
                 session = self.sessions.get(rid)
-                if session is not None and (drop_if_full or exc.errno == errno.EHOSTUNREACH):
-                    why = "disconnected" if exc.errno == errno.EHOSTUNREACH else "not reading"
-                    self._drop(session, why)
+                if session is not None and exc.errno == errno.EHOSTUNREACH:
+                    self._vanished[rid] = session
+                elif session is not None and drop_if_full:
+                    self._drop(session, "not reading")
                 return False
             raise
         session = self.sessions.get(rid)
