@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import time
 from typing import Any, Mapping
 
@@ -65,7 +66,48 @@ def _said(report: Mapping[str, Any]) -> str:
     return "  left out by the servers: " + "; ".join(parts) + " (--on-bad-shard skip)" if parts else ""
 
 
+class _CtrlC:
+    """Ctrl-C, wherever it lands. pyzmq checks for signals when a zero-copy frame is freed, which
+    happens whenever a batch's arrays go: a KeyboardInterrupt raised there is printed as ignored
+    and lost, and the stream would read on. While reading, such a lost interrupt is noted
+    instead, and raised again at the next batch (``check``)."""
+
+    def __init__(self) -> None:
+        self.lost = False
+        self._previous = sys.unraisablehook, sys.excepthook
+
+    def __enter__(self) -> "_CtrlC":
+        # (Cython prints an exception it cannot raise through sys.excepthook, then reports it
+        # through sys.unraisablehook)
+        sys.unraisablehook, sys.excepthook = self._unraisable, self._printed
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.unraisablehook, sys.excepthook = self._previous
+
+    def _unraisable(self, unraisable: Any) -> None:
+        if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            self.lost = True
+            return
+        self._previous[0](unraisable)
+
+    def _printed(self, kind: Any, value: Any, traceback: Any) -> None:
+        if isinstance(kind, type) and issubclass(kind, KeyboardInterrupt):
+            self.lost = True
+            return
+        self._previous[1](kind, value, traceback)
+
+    def check(self) -> None:
+        if self.lost:
+            raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
+    with _CtrlC() as ctrl_c:
+        return _read(args, ctrl_c)
+
+
+def _read(args: argparse.Namespace, ctrl_c: _CtrlC) -> int:
     import numpy as np
 
     from fuelline.client import ServerDataStream
@@ -81,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             ids: list = []
             start = time.perf_counter()
             for batch in stream.get_epoch_iterator(as_dict=True):
+                ctrl_c.check()
                 batches += 1
                 first = next(iter(batch.values()))
                 rows += len(first) if first.ndim else 1
@@ -88,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
                 if "sample_id" in batch:
                     ids.append(batch["sample_id"])
             seconds = time.perf_counter() - start
+            ctrl_c.check()
             left = left_out(info, stream.data_losses_in(number))
             report: dict[str, Any] = {
                 "epoch": epoch,
