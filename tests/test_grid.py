@@ -23,6 +23,8 @@ from fuelline.server.multimodal.manifest import NEAREST, Manifest
 from fuelline.server.multimodal.source import WindowSource
 from fuelline.server.multimodal.stages import Normalize
 
+from support.formats import strip_grids
+
 MODS = ("eeg", "ecg", "gsr", "video")
 SOURCES = (*MODS, "label", "sample_id", "t_start")
 
@@ -40,14 +42,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def older(dataset: Path, to: Path, fmt: str = "fuelline-multimodal/2") -> Path:
     """A copy of ``dataset`` as an earlier version wrote it: no grids, an older format."""
     shutil.copytree(dataset, to)
-    manifest = json.loads((to / "manifest.json").read_text())
-    manifest["format"] = fmt
-    for r in manifest["recordings"]:
-        for p in r["modalities"].values():
-            del p["grid_file"], p["grid_points"], p["zgrid_file"]
-    (to / "manifest.json").write_text(json.dumps(manifest))
-    for grid in to.glob("*/*grid-*.arrow"):
-        grid.unlink()
+    strip_grids(to, fmt)
     return to
 
 

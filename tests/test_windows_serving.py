@@ -17,6 +17,8 @@ from fuelline.server.ingest.synth import synthesize
 from fuelline.server.multimodal.manifest import EMOTIONS, MODALITIES, Manifest
 from fuelline.server.multimodal.source import SAMPLE_ID_STRIDE, WindowSource
 
+from support.formats import strip_grids
+
 TIMEOUT = 30.0
 SOURCES = ("eeg", "ecg", "gsr", "video", "label", "sample_id", "t_start")
 SECONDS = 24.0
@@ -210,18 +212,6 @@ def _rewrite_x(src: Path, dst: Path, make_x) -> None:
                 w.write_table(t, row_group_size=t.num_rows)
 
 
-def _as_older_format(dataset: Path, fmt: str) -> None:
-    """Make a converted dataset look as an earlier version wrote it: no grids, an older format."""
-    manifest = json.loads((dataset / "manifest.json").read_text())
-    manifest["format"] = fmt
-    for r in manifest["recordings"]:
-        for p in r["modalities"].values():
-            del p["grid_file"], p["grid_points"], p["zgrid_file"]
-    (dataset / "manifest.json").write_text(json.dumps(manifest))
-    for grid in dataset.glob("*/*grid-*.arrow"):
-        grid.unlink()
-
-
 def test_a_format_1_dataset_is_refused_until_upgraded_then_serves_the_same_windows(probed: Path, tmp_path: Path) -> None:
     import pyarrow as pa
 
@@ -229,7 +219,7 @@ def test_a_format_1_dataset_is_refused_until_upgraded_then_serves_the_same_windo
 
     old = tmp_path / "format1"
     _rewrite_x(probed, old, lambda s: pa.FixedSizeListArray.from_arrays(pa.array(s.reshape(-1)), s.shape[1]))
-    _as_older_format(old, "fuelline-multimodal/1")
+    strip_grids(old, "fuelline-multimodal/1")
     with pytest.raises(DataError, match=rf"format 'fuelline-multimodal/1' predates .*`fuelline upgrade {old}`"):
         WindowSource(str(old))
     done = subprocess.run([sys.executable, "-m", "fuelline.server.cli", "upgrade", str(old)],
