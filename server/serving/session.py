@@ -208,12 +208,15 @@ class Session:
         recent = self._recent
         if recent is None:
             return
-        if self._immutable:
-            recent.put(self.hello.client_id, self._request, epoch, seq, (arrays, None))
-        elif self._checksum:  # (without checksums a reused buffer could not be told from the batch sent)
-            recent.put(self.hello.client_id, self._request, epoch, seq, (arrays, batch_checksums(frames)))
-        else:
+        if not self._immutable and not self._checksum:  # (a reused buffer could not be told from the batch sent)
             recent.misses += 1
+            return
+        entry = (arrays, None if self._immutable else batch_checksums(frames))
+        # Under the lock ``stop`` takes: once a session has stopped it remembers nothing, so a
+        # client forgotten after its Bye stays forgotten.
+        with self._cond:
+            if not self._stopped:
+                recent.put(self.hello.client_id, self._request, epoch, seq, entry)
 
     def _batches(self, epoch: int, start: int) -> Iterator[tuple[dict[str, Any], bool]]:
         """(arrays, prepared now) for batches ``start…`` of an epoch: from the memory tier while
