@@ -37,7 +37,7 @@ def test_a_pool_decodes_what_the_source_decodes_and_counts(pools: list) -> None:
         assert list(got) == list(want)
         for name in want:
             assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name])
-            assert not got[name].flags.writeable  # block tables go out zero-copy: nobody writes them
+            assert not got[name].flags.writeable  # batches cut from units go out zero-copy: nobody writes them
     assert source.counters["units_decoded"] == 6  # counted in the workers' copies, added up here
     assert source.counters["worker_tasks"] == 6
     assert source.counters["workers_started"] == 2

@@ -5,7 +5,7 @@ in /dev/shm (a RAM-backed filesystem; the temporary directory where there is non
 ``$FUELLINE_HANDOFF_DIR``) and sends only their names, dtypes, shapes and offsets. The serving
 process maps the file read-only, unlinks it at once and wraps the mapping in numpy arrays without
 copying: the memory lives exactly as long as those arrays, and the arrays cannot be written to
-(block tables are sent zero-copy, so nothing may change them). Where a file cannot be written (a
+(batches cut from decoded units are sent zero-copy, so nothing may change them). Where a file cannot be written (a
 full /dev/shm, any OSError), the worker sends the arrays through its pipe instead: slower, never
 a failure.
 

@@ -311,7 +311,7 @@ class WorkerPool(WorkerSupervision):
                     "emptyDir) or set %s", w.name, why, self._dir, handoff.ENV_DIR,
                 )
             for a in arrays.values():
-                a.setflags(write=False)  # (as mapped ones are: block tables go out zero-copy)
+                a.setflags(write=False)  # (as mapped ones are: batches cut from them go out zero-copy)
             _resolve(task.future, arrays)
             return
         _, _, data_error, text, type_name, tb, _ = message
