@@ -85,6 +85,25 @@ def test_converted_dataset_from_s3_is_served_as_from_disk_cold_then_warm(
     assert counters["cache_disk_hits"] > 0
 
 
+def test_a_remote_datasets_grid_files_are_opened_once_not_per_recording(
+    converted: Path, s3: S3Bucket, tmp_path: Path
+) -> None:
+    """Each open of a disk-cache copy maps it afresh, and a fresh map faults in every page a window
+    touches: a remote grid file is opened once, then its map is kept (a bounded number of them)."""
+    from fuelline.server.multimodal.source import REMOTE_GRID_FILES, WindowSource
+
+    src = WindowSource(s3.upload(converted, "amigos"), decoded_cache_mb=0, cache_dir=str(tmp_path / "cache"))
+    files = {p.zgrid_file for _, r in src._splits["train"].recordings for p in r.modalities.values()}
+    opened = []
+    for epoch in range(3):
+        for _ in src.iter_batches("train", epoch, 0, 1, 0, src.sources):
+            pass
+        counts = src.counters.snapshot()
+        opened.append(counts.get("cache_disk_hits", 0) + counts.get("cache_disk_misses", 0))
+    assert opened[0] == opened[1] == opened[2] == len(files) <= REMOTE_GRID_FILES, (opened, len(files))
+    src.close()
+
+
 def test_parquet_dataset_from_s3_with_the_endpoint_in_the_uri(
     sample_dataset: Path, s3: S3Bucket, start_serve, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -13,7 +13,8 @@ float64 [B] (window start, master clock), plus whatever the user's stages add.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import threading
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -44,6 +45,7 @@ __all__ = ["WindowSource", "SAMPLE_ID_STRIDE", "stored_samples"]
 log = logging.getLogger("fuelline.server")
 
 SAMPLE_ID_STRIDE = 1_000_000  # windows per recording that sample ids leave room for
+REMOTE_GRID_FILES = 64  # a remote dataset's grid files kept mapped (a block's recordings need at most 8 × 4)
 
 
 def stored_samples(column: Any, channels: int, where: str) -> np.ndarray:
@@ -92,7 +94,7 @@ class WindowSource(UnitSource):
     """
 
     # The per-batch stages run here, never in worker processes; mapped files are not copied there.
-    _serving_only = ("pipeline", "_grid_files")
+    _serving_only = ("pipeline", "_grid_files", "_grid_lock")
 
     def __init__(
         self,
@@ -128,7 +130,8 @@ class WindowSource(UnitSource):
         # in place where they are made. Then, per batch, the user's stages and the cast.
         self.per_recording = Pipeline([Normalize(self.manifest.stats, in_place=True)] if normalize == "zscore" else [])
         self.pipeline = Pipeline([*stages, Cast()])
-        self._grid_files: dict[str, Any] = {}  # local grid files, mapped once
+        self._grid_files: OrderedDict[str, Any] = OrderedDict()  # grid files, mapped once
+        self._grid_lock = threading.Lock()
         self.stage_names = [callable_name(s) for s in stages]  # as --stage names them, for the fingerprint
         self._base = self._base_columns()
         self._splits = {name: self._scan(name) for name in self.manifest.splits}
@@ -180,17 +183,24 @@ class WindowSource(UnitSource):
         file = p.zgrid_file if self.normalize == "zscore" else p.grid_file
         where = f"grid {self.store.where(file)}"
         if self._grid_files is None:  # (a worker process's copy)
-            self._grid_files = {}
-        # A local file is mapped once and for all; a remote one's disk-cache copy each time (the
-        # cache may replace it).
-        grids = self._grid_files.get(file)
+            self._grid_files, self._grid_lock = OrderedDict(), threading.Lock()
+        # A file is mapped once, not per recording: a fresh map faults in every page a window
+        # touches, which cost a remote dataset 0.07 ms a window. A local dataset's files stay
+        # mapped; a remote one's disk-cache copies, the REMOTE_GRID_FILES used last (a copy the
+        # cache evicts meanwhile keeps its disk space until it is let go here).
+        with self._grid_lock:
+            grids = self._grid_files.get(file)
+            if grids is not None:
+                self._grid_files.move_to_end(file)
         if grids is None:
             try:
                 grids = grid_arrays(self.store.open_local(file), where)
             except OSError as exc:
                 raise DataError(f"{where}: {exc}") from None
-            if not self.store.remote:
+            with self._grid_lock:
                 grids = self._grid_files.setdefault(file, grids)
+                while self.store.remote and len(self._grid_files) > REMOTE_GRID_FILES:
+                    self._grid_files.popitem(last=False)
         return shaped(grids, p.row_group, shape, f"{where} (recording {rec.id}, {modality})")
 
     def _signals(self, rec: Recording, with_samples: bool, only: Sequence[str] | None = None) -> dict[str, Signal]:
