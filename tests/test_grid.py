@@ -236,3 +236,18 @@ def test_decoded_units_are_budgeted_at_their_grids_bytes_not_their_windows(datas
         views_total += small + sum(unit[m].nbytes for m in MODS)
     assert kept.held_bytes == want < views_total
     src.close()
+
+
+def test_an_upgrade_that_cannot_write_names_the_file_and_leaves_the_dataset(dataset: Path, tmp_path: Path) -> None:
+    """A full disk, a permission, a path in the way: one line naming the file, exit 2, and the
+    dataset still the one older servers read."""
+    old = older(dataset, tmp_path / "old")
+    (old / "gsr" / "grid-00001.arrow").mkdir()  # in the way of the file upgrade renames into place
+    before = (old / "manifest.json").read_bytes()
+    done = subprocess.run([sys.executable, "-m", "fuelline.server.cli", "upgrade", str(old)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "gsr/grid-00001.arrow" in lines[0] and "left as it was" in lines[0], done.stderr
+    assert (old / "manifest.json").read_bytes() == before
+    assert not [p for p in old.rglob("*") if ".tmp-" in p.name]

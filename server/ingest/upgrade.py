@@ -60,11 +60,14 @@ def upgrade(dataset: str, progress: bool | None = None) -> tuple[Manifest, str]:
     manifest = Manifest.load(dataset, formats=(*UPGRADABLE_FORMATS, FORMAT))
     if manifest.format == FORMAT:
         return manifest, FORMAT
-    placements = _grids(dataset, manifest, sys.stderr.isatty() if progress is None else progress)
-    recordings = tuple(replace(r, modalities={m: placements[(r.id, m)] for m in r.modalities}) for r in manifest.recordings)
-    extra = {**manifest.extra, "upgraded_from": manifest.format}
-    upgraded = replace(manifest, recordings=recordings, format=FORMAT, extra=extra)
-    return _save(dataset, upgraded), manifest.format
+    try:
+        placements = _grids(dataset, manifest, sys.stderr.isatty() if progress is None else progress)
+        recordings = tuple(replace(r, modalities={m: placements[(r.id, m)] for m in r.modalities})
+                           for r in manifest.recordings)
+        extra = {**manifest.extra, "upgraded_from": manifest.format}
+        return _save(dataset, replace(manifest, recordings=recordings, format=FORMAT, extra=extra)), manifest.format
+    except OSError as exc:  # a full disk, a permission, a path in the way
+        raise DataError(f"{dataset}: cannot upgrade ({exc}); the dataset is left as it was") from None
 
 
 def _grids(root: str, manifest: Manifest, progress: bool) -> dict[tuple[str, str], Placement]:
