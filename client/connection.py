@@ -101,9 +101,8 @@ class Connection(Receiving):
         self.welcome: Welcome | None = None
         self.reconnects = 0
         self.resumes_after_loss = 0  # times messages lost in transit were asked for again
-        # What the server left out (--on-bad-shard skip), in its words, and the epoch of each:
-        self.data_losses: list[str] = []
-        self.data_loss_epochs: list[int] = []  # (a notice comes in order with the batches it concerns)
+        self.data_losses: list[str] = []  # what the server left out (--on-bad-shard skip), in its words
+        self.data_loss_epochs: list[int] = []  # the epoch of each (notices come in order with batches)
         self.fingerprint: dict[str, str] | None = None  # the sequence this connection's positions belong to
         self._fingerprint_at = ""  # where it came from, as an error names it
         self._template = hello
