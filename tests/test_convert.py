@@ -202,6 +202,8 @@ def test_cli_converts_a_synth_run_and_prints_the_compression_ratio(tmp_path: Pat
     result = cli("convert", str(raw), str(dataset), "--val-fraction", "0", "--recordings-per-shard", "2")
     assert result.returncode == 0, result.stderr
     assert re.search(r"compression \d+\.\d:1", result.stdout), result.stdout
+    grids = sum(f.stat().st_size for f in dataset.glob("*/*grid-*.arrow"))
+    assert f"master grids, raw and z-scored, {grids / 1e6:.1f} MB" in result.stdout, result.stdout
     assert "train 3" in result.stdout and "MB/s" in result.stdout
     manifest = Manifest.load(str(dataset))
     assert manifest.splits == ("train",) and len(manifest.recordings) == 3

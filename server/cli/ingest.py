@@ -103,14 +103,15 @@ def summary(manifest: Manifest, dataset: str, seconds: float) -> str:
     )
     source_mb, dataset_mb = manifest.source_bytes / 1e6, manifest.dataset_bytes / 1e6
     rate = source_mb / seconds if seconds > 0 else float("inf")
-    files = sorted({p.file for r in manifest.recordings for p in r.modalities.values()})
-    shards = sum(os.path.getsize(os.path.join(dataset, f)) for f in files)
+    places = [p for r in manifest.recordings for p in r.modalities.values()]
+    shards = sum(os.path.getsize(os.path.join(dataset, f)) for f in sorted({p.file for p in places}))
+    grids = sum(os.path.getsize(os.path.join(dataset, f)) for f in sorted({f for p in places for f in (p.grid_file, p.zgrid_file)}))
     return (
         f"wrote {dataset}: {len(manifest.recordings)} recordings ({per_split})\n"
         f"rows: {rows}\n"
         f"read {source_mb:.1f} MB of TSV in {seconds:.2f}s ({rate:.1f} MB/s), "
         f"wrote {dataset_mb:.1f} MB: Parquet shards {shards / 1e6:.1f} MB (compression {manifest.source_bytes / shards:.1f}:1) "
-        f"and master grids, raw and z-scored, {(manifest.dataset_bytes - shards) / 1e6:.1f} MB"
+        f"and master grids, raw and z-scored, {grids / 1e6:.1f} MB"
     )
 
 
