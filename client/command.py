@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 import time
@@ -87,19 +88,25 @@ class _CtrlC:
 
     def _unraisable(self, unraisable: Any) -> None:
         if unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
-            self.lost = True
+            self._note()
             return
         self._previous[0](unraisable)
 
     def _printed(self, kind: Any, value: Any, traceback: Any) -> None:
         if isinstance(kind, type) and issubclass(kind, KeyboardInterrupt):
-            self.lost = True
+            self._note()
             return
         self._previous[1](kind, value, traceback)
 
     def check(self) -> None:
         if self.lost:
             raise KeyboardInterrupt
+
+    def _note(self) -> None:
+        # A KeyboardInterrupt that pyzmq raised while receiving may also have cost a message,
+        # which the connection then asks for again: the command is ending, so say nothing of it.
+        self.lost = True
+        logging.getLogger("fuelline.client").setLevel(logging.ERROR)
 
 
 def run(args: argparse.Namespace) -> int:
