@@ -36,6 +36,7 @@ import zmq
 
 from fuelline.client.curve import CurveKeys, HandshakeWatch
 from fuelline.client.receiving import Item, Receiving
+from fuelline.client.slabs import ClientSlabs
 from fuelline.protocol import (
     DEFAULT_LIMITS,
     Bye,
@@ -71,6 +72,9 @@ class Connection(Receiving):
             prove it shares (the server's token file reads the same here): a client on the
             server's own host then reads through a Unix socket instead of TCP. Reconnects start
             over TCP (the server may have moved), and move again.
+        shared_memory: on the Unix socket, ask for batches placed in shared memory
+            (``fuelline.client.slabs``); a slab that cannot be mapped turns it off for this
+            connection, and what it held is asked for again.
     """
 
     BACKOFF_MIN = 0.05
@@ -94,10 +98,13 @@ class Connection(Receiving):
         curve: CurveKeys | None = None,
         local: bool = True,
         connect_timeout: float | None = None,
+        shared_memory: bool = True,
     ) -> None:
         self.endpoint = endpoint
         self.transport = endpoint  # where the socket connects now: the endpoint, or the server's ipc path
         self._local = local
+        self._shared_memory = shared_memory and local
+        self._slabs: ClientSlabs | None = None  # on the Unix socket with shared memory: its slabs
         self.welcome: Welcome | None = None
         self.reconnects = 0
         self.resumes_after_loss = 0  # times messages lost in transit were asked for again
@@ -286,6 +293,7 @@ class Connection(Receiving):
             history=self._history if self._history else (),
             credit=max(0, self._hwm - self._undelivered),
             heartbeat=self._heartbeat,
+            shm=self._slabs is not None,
         )
 
     def _open(self) -> None:
@@ -335,8 +343,10 @@ class Connection(Receiving):
         thread returns a quarter of hwm while the user trains, the user's thread twice that: a send
         wakes libzmq's I/O thread, which on a busy host can cost the sender its time slice. Sent even
         before a Welcome (the server reads it after the Hello); else the next Hello's includes it."""
-        if self._pending_credit and (self._pending_credit >= group or not self._items):
-            self._send(Credit(self._pending_credit))
+        slabs = self._slabs
+        if (self._pending_credit and (self._pending_credit >= group or not self._items)) or (
+                slabs is not None and len(slabs.released) >= max(group, 2)):
+            self._send(Credit(self._pending_credit, slabs.take_released() if slabs is not None else ()))
             self._pending_credit = 0
 
     def _step(self, wait: float, limit: int | None = None) -> None:
@@ -352,6 +362,7 @@ class Connection(Receiving):
             self.reconnects += 1
             self._retry_at = None
             self.transport = self.endpoint  # the server may have restarted elsewhere: ask TCP again
+            self._slabs = None
             self._open()
         if self._sock is not None and (self._sock.poll(int(wait * 1000)) if wait > 0 else True):
             self._drain_socket(limit)

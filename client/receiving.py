@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from fuelline.client.slabs import ClientSlabs, SlabUnavailable
 from fuelline.protocol import (
+    ArrayMeta,
     Batch,
     Bye,
     EndOfEpoch,
@@ -34,6 +37,7 @@ from fuelline.protocol import (
     Welcome,
     decode,
 )
+from fuelline.protocol.placement import Placement
 
 __all__ = ["Item", "Receiving"]
 
@@ -90,6 +94,8 @@ class Receiving:
     _backoff: float
     _last_heard: float
     _local: bool
+    _shared_memory: bool
+    _slabs: ClientSlabs | None
     _limits: Any
     _verify: bool
     _watch: Any
@@ -142,7 +148,14 @@ class Receiving:
             self._last_heard = time.monotonic()
             self._messages += 1
             try:
-                msg = decode(frames, limits=self._limits, verify=self._verify)
+                msg = decode(frames, limits=self._limits, verify=self._verify, place=self._place)
+            except SlabUnavailable as exc:
+                # Not to be mapped from here after all: the rest of this connection goes through
+                # the socket, from the batch that could not be read (a Hello that says so).
+                log.warning("server %s: %s; reading through the socket instead", self.endpoint, exc)
+                self._slabs = None
+                self._say_hello()
+                continue
             except ProtocolVersionError as exc:
                 self._fail(ProtocolVersionError(exc.got, exc.expected, peer=self.endpoint))
                 return
@@ -150,6 +163,15 @@ class Receiving:
                 self._fail(ProtocolError(f"from {self.endpoint}: {exc}"))
                 return
             self._on_message(msg)
+
+    def _place(self, stream: int, metas: list[ArrayMeta], placement: Placement) -> dict:
+        """A placed batch's arrays; none for a batch of a stream a later Hello replaced (dropped
+        unread: its session's slabs may be gone)."""
+        if stream != self._gen:
+            return {}
+        if self._slabs is None:
+            raise ProtocolError("batch placed in shared memory, which this connection did not ask for")
+        return self._slabs.arrays(metas, placement)
 
     def _on_message(self, msg: Any) -> None:
         if isinstance(msg, Batch):
@@ -200,6 +222,8 @@ class Receiving:
                     # one, and batches sent meanwhile over TCP come again (from the server's memory).
                     log.debug("server %s is on this host: reading through %s", self.endpoint, msg.local["endpoint"])
                     self.transport = msg.local["endpoint"]
+                    if self._shared_memory:
+                        self._slabs = ClientSlabs(os.path.dirname(self.transport[len("ipc://"):]))
                     self._close_socket()
                     self._open()
         elif isinstance(msg, Error):

@@ -81,6 +81,10 @@ class ServerDataStream:
             ``fuelline.client.curve.CurveKeys``. None connects without encryption.
         local: on the server's own host, read through the Unix socket it offers instead of TCP
             (several times faster for large batches); False keeps TCP.
+        shared_memory: on that Unix socket, have the server place batches in shared memory: the
+            arrays are built on pages both processes map, with no copy through the socket and no
+            checksum (nothing crosses a wire). The server reuses a batch's memory only once every
+            array of it (and anything made from one without a copy) is garbage. False: the socket.
 
     Raises:
         ServerUnavailable: no answer from the server within ``timeout``.
@@ -120,6 +124,7 @@ class ServerDataStream:
         context: zmq.Context | None = None,
         curve_keys: str | os.PathLike[str] | CurveKeys | None = None,
         local: bool = True,
+        shared_memory: bool = True,
     ) -> None:
         self._config = stream_arguments(locals(), args)  # (also what rebuilds it: __reduce__)
         host, port, hwm = self._config["host"], self._config["port"], self._config["hwm"]
@@ -172,6 +177,7 @@ class ServerDataStream:
         # Loaded now, so a missing key file fails here rather than at the first batch.
         self._curve = curve_keys if isinstance(curve_keys, CurveKeys) or curve_keys is None else CurveKeys.from_dir(curve_keys)
         self._local = local
+        self._shared_memory = shared_memory
         self._conns: list[Connection] = []
         self._checked = False  # the servers' welcomes were compared
         self._stream = 0  # the stream the connection is reading; changes on every seek
@@ -319,7 +325,7 @@ class ServerDataStream:
                 Connection(
                     endpoint, hello, hwm=hwm, heartbeat=self.heartbeat, timeout=self.timeout, verify=self._verify,
                     limits=self._limits, context=self._context, curve=self._curve, local=self._local,
-                    connect_timeout=self.connect_timeout,
+                    connect_timeout=self.connect_timeout, shared_memory=self._shared_memory,
                 )
                 for endpoint, hello in zip(self.endpoints, self._hellos)
             ]

@@ -10,6 +10,8 @@ Frame layout of every message::
 Decoding checks, before anything is allocated: the header size, msgpack string/array/map sizes,
 the nesting depth, the version (an Error is readable from any version), the message type, every
 field, the array count, and per array dtype × shape == nbytes == frame length, then the checksum.
+A Batch placed in shared memory (``fuelline.protocol.placement``) is its header alone, with "m":
+where its arrays lie; only a connection that asked for it (``decode``'s ``place``) accepts one.
 Nothing is unpickled; a header can only hold plain msgpack values. Keys a message does not
 have are ignored, so an optional field (``Welcome.fingerprint``) travels without a new version:
 a peer that predates it reads the rest of the message as before.
@@ -18,7 +20,7 @@ a peer that predates it reads the rest of the message as before.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -43,8 +45,13 @@ from fuelline.protocol.messages import (
     Message,
     Welcome,
 )
+from fuelline.protocol.placement import Placement
 
-__all__ = ["encode", "decode", "encode_header", "peek_type"]
+__all__ = ["encode", "encode_placed", "decode", "encode_header", "peek_type", "Place"]
+
+# What builds a placed batch's arrays on the receiving side: (the batch's stream, its arrays'
+# header entries, their placement) → arrays by name. It raises ProtocolError for a slab it cannot map.
+Place = Callable[[int, list[ArrayMeta], Placement], dict[str, np.ndarray]]
 
 # Fields that msgpack carries as lists but the dataclasses hold as tuples.
 _TUPLE_FIELDS = {(Hello, "sources"), (Welcome, "sources")}
@@ -78,6 +85,14 @@ def encode(msg: Message, *, checksum: bool = True) -> list[Any]:
         else:
             header[f.name] = [list(v) if isinstance(v, tuple) else v for v in value] if isinstance(value, tuple) else value
     return [encode_header(header), *frames]
+
+
+def encode_placed(msg: Batch, metas: Sequence[ArrayMeta], placement: Placement) -> list[Any]:
+    """A Batch whose arrays were written into shared memory: its header alone (no checksums),
+    naming where they lie. ``msg.arrays`` is not read."""
+    header = {"v": VERSION, "t": Batch.TYPE, "stream": msg.stream, "epoch": msg.epoch, "seq": msg.seq,
+              "a": [m.to_wire() for m in metas], "ck": None, "m": placement.to_wire()}
+    return [encode_header(header)]
 
 
 def _unpack_header(frame: Any, limits: Limits) -> dict[str, Any]:
@@ -129,8 +144,13 @@ def peek_type(frames: Sequence[Any], limits: Limits = DEFAULT_LIMITS) -> str | N
     return t if isinstance(t, str) else None
 
 
-def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, verify: bool = True) -> Message:
+def decode(
+    frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, verify: bool = True, place: Place | None = None
+) -> Message:
     """Decode frames (bytes, memoryviews or zmq Frames) into a message.
+
+    ``place`` builds the arrays of a batch placed in shared memory; without it, such a batch is
+    refused (a connection that did not ask for shared memory).
 
     Raises:
         ProtocolVersionError: the header carries another version (except for Error messages).
@@ -151,7 +171,8 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, verify: bo
         raise ProtocolVersionError(version, VERSION)
     if cls is None:
         raise ProtocolError(f"unknown message type {kind!r:.40}")
-    if cls is not Batch and len(frames) != 1:
+    placed = cls is Batch and "m" in header
+    if (cls is not Batch or placed) and len(frames) != 1:
         raise ProtocolError(f"{kind} message carries {len(frames) - 1} unexpected frames")
 
     kwargs: dict[str, Any] = {}
@@ -165,7 +186,11 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, verify: bo
             kwargs[f.name] = value
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ProtocolError(f"{kind} header lacks field {f.name!r}")
-    if cls is Batch:
+    if placed:
+        if place is None:
+            raise ProtocolError("batch placed in shared memory, which this connection did not ask for")
+        kwargs["arrays"], kwargs["checksum"] = _place_arrays(header, kwargs.get("stream"), limits, place)
+    elif cls is Batch:
         kwargs["arrays"], kwargs["checksum"] = _decode_arrays(header, frames[1:], limits, verify)
     try:
         return cls(**kwargs)
@@ -173,23 +198,44 @@ def decode(frames: Sequence[Any], *, limits: Limits = DEFAULT_LIMITS, verify: bo
         raise ProtocolError(f"invalid {kind}: {exc}") from None
 
 
-def _decode_arrays(
-    header: dict[str, Any], frames: Sequence[Any], limits: Limits, verify: bool
-) -> tuple[dict[str, np.ndarray], str | None]:
+def _metas(header: dict[str, Any], count: int | None, limits: Limits) -> list[ArrayMeta]:
     entries = header.get("a")
-    algo = header.get("ck")
-    if algo is not None and algo not in CHECKSUMS:
-        raise ProtocolError(f"unknown checksum algorithm {algo!r:.40}")
     if not isinstance(entries, list):
         raise ProtocolError("batch header lacks its array list 'a'")
-    if len(entries) != len(frames):
-        raise ProtocolError(f"batch header lists {len(entries)} arrays but {len(frames)} frames follow")
+    if count is not None and len(entries) != count:
+        raise ProtocolError(f"batch header lists {len(entries)} arrays but {count} frames follow")
+    if len(entries) > limits.max_arrays:
+        raise MessageTooLarge(f"{len(entries)} arrays exceed the limit of {limits.max_arrays}")
     metas = [ArrayMeta.from_wire(e, limits) for e in entries]
     if len({m.name for m in metas}) != len(metas):
         raise ProtocolError("batch names an array twice")
     total = sum(m.nbytes for m in metas)
     if total > limits.max_batch_bytes:
         raise MessageTooLarge(f"batch of {total} bytes exceeds the limit of {limits.max_batch_bytes}")
+    return metas
+
+
+def _place_arrays(
+    header: dict[str, Any], stream: Any, limits: Limits, place: Place
+) -> tuple[dict[str, np.ndarray], None]:
+    if header.get("ck") is not None:
+        raise ProtocolError("a batch placed in shared memory carries no checksums")
+    if type(stream) is not int:
+        raise ProtocolError(f"invalid batch: stream {stream!r:.40}")
+    metas = _metas(header, None, limits)
+    if any(m.checksum is not None for m in metas):
+        raise ProtocolError("a batch placed in shared memory carries no checksums")
+    placement = Placement.from_wire(header["m"], metas)
+    return place(stream, metas, placement), None
+
+
+def _decode_arrays(
+    header: dict[str, Any], frames: Sequence[Any], limits: Limits, verify: bool
+) -> tuple[dict[str, np.ndarray], str | None]:
+    algo = header.get("ck")
+    if algo is not None and algo not in CHECKSUMS:
+        raise ProtocolError(f"unknown checksum algorithm {algo!r:.40}")
+    metas = _metas(header, len(frames), limits)
     if algo is None and any(m.checksum is not None for m in metas):
         raise ProtocolError("array checksums given without a checksum algorithm")
     arrays = {m.name: rebuild_array(m, fr, verify) for m, fr in zip(metas, frames)}

@@ -11,7 +11,7 @@ Conversation (client = DEALER, server = ROUTER; the routing id identifies the co
     Hello(stream, epoch, cursor, credit) ──▶
                                          ◀── Welcome(stream, sources, schema, batches_per_epoch, fingerprint)
                                          ◀── Batch(stream, epoch, seq) × at most `credit` in flight
-    Credit(n) ─────────────────────────────▶ (one per batch the client has handed to its user)
+    Credit(n, released) ───────────────────▶ (one per batch the client has handed to its user)
                                          ◀── EndOfEpoch(stream, epoch, batches), then the next epoch
     Heartbeat ◀──────────────────────────▶ Heartbeat (whichever side has been idle for an interval)
     Hello(stream + 1, ...) ────────────────▶ restarts the stream at another position (seek)
@@ -47,6 +47,7 @@ MAX_HISTORY_WORLD = 1 << 20  # most ranks a resume segment (Hello.history) may n
 MAX_FINGERPRINT_PARTS = 64  # entries of Welcome.fingerprint
 MAX_FINGERPRINT_KEY = 64  # characters of a part's name
 MAX_FINGERPRINT_VALUE = 256  # characters of a part's value
+MAX_RELEASED = 4096  # shared-memory regions one Credit may release
 
 
 class ErrorCode:
@@ -117,6 +118,9 @@ class Hello:
         history: the segments of ``epoch`` already run at other world sizes, oldest first:
             (world size, batches each rank took[, stride, extra]). Empty unless a position is
             resumed on another world size (see ``fuelline.server.sources.ordering.remaining_order``).
+        shm: the client reads through the server's Unix socket and can map its slabs: the server
+            may place batches in shared memory (``fuelline.protocol.placement``). Optional on the
+            wire: a server that predates it sends every batch on the socket.
     """
 
     TYPE: ClassVar[str] = "hello"
@@ -131,9 +135,12 @@ class Hello:
     credit: int = 10
     heartbeat: float = 1.0
     history: tuple[tuple[int, ...], ...] = ()
+    shm: bool = False
 
     def __post_init__(self) -> None:
         _check_str("Hello", "client_id", self.client_id)
+        if type(self.shm) is not bool:
+            raise ValueError(f"Hello.shm must be a bool, got {self.shm!r:.40}")
         if not isinstance(self.history, (list, tuple)) or len(self.history) > 64:
             raise ValueError("Hello.history must be a list of at most 64 resume segments")
         pairs = []
@@ -229,13 +236,22 @@ class Welcome:
 
 @dataclass(frozen=True)
 class Credit:
-    """Client → server: the client has room for ``n`` more batches."""
+    """Client → server: the client has room for ``n`` more batches, and ``released`` names the
+    shared-memory regions (``fuelline.protocol.placement``) of batches it no longer holds. One
+    of the two is not empty."""
 
     TYPE: ClassVar[str] = "credit"
     n: int
+    released: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_int("Credit", "n", self.n, 1)
+        _check_int("Credit", "n", self.n, 0 if self.released else 1)
+        if not isinstance(self.released, (list, tuple)) or len(self.released) > MAX_RELEASED:
+            raise ValueError(f"Credit.released must be a list of at most {MAX_RELEASED} region ids")
+        for region in self.released:
+            if type(region) is not int or not 0 <= region < 2**62:
+                raise ValueError(f"Credit.released holds {region!r:.40}, not a region id")
+        object.__setattr__(self, "released", tuple(self.released))
 
 
 @dataclass(frozen=True, eq=False)

@@ -57,6 +57,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     serve.add_argument("--local-ipc", action=argparse.BooleanOptionalAction, default=True,
                        help="also listen on a Unix socket that clients on this host move to (faster than "
                             "TCP; not with --curve-keys)")
+    serve.add_argument("--shared-memory", action=argparse.BooleanOptionalAction, default=True,
+                       help="place the batches of clients on the Unix socket in shared memory (no copy through "
+                            "the socket, no checksum)")
     serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                        help="serve Prometheus metrics over HTTP at /metrics on this port (0 picks a free one; "
                             "the log says which); off by default")
@@ -157,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         raise DataError(f"--status-interval must be >= 0 seconds, got {args.status_interval}")
     server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum,
                     curve=curve, status_interval=args.status_interval, memory_cache=args.memory_cache,
-                    local_ipc=args.local_ipc, insecure=args.insecure, max_clients=args.max_clients,
+                    local_ipc=args.local_ipc, shared_memory=args.shared_memory, insecure=args.insecure, max_clients=args.max_clients,
                     max_clients_per_peer=args.max_clients_per_peer, max_client_heartbeat=args.max_client_heartbeat)
     try:
         server.bind()

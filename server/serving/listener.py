@@ -43,6 +43,7 @@ class Listener:
         curve: CurveConfig | None,
         local_ipc: bool,
         insecure: bool,
+        shared_memory: bool = True,
     ) -> None:
         if curve is None and not insecure and not is_loopback(host):
             raise DataError(
@@ -58,6 +59,10 @@ class Listener:
         self.local_ipc = local_ipc
         self.local: dict[str, str] | None = None  # the ipc endpoint and its token, once bound
         self._ipc_dir: LocalSocketDir | None = None
+        self.shared_memory = shared_memory
+        # Where local clients' batches may be placed in shared memory, once bound: the socket
+        # folder, if it is in memory (a folder on disk would write every batch back to it).
+        self.slab_folder: str | None = None
         self.endpoint: str | None = None
         # A context of its own, terminated at shutdown: that waits (up to the linger) until
         # libzmq has sent or dropped every zero-copy frame, before their memory can go away.
@@ -115,11 +120,18 @@ class Listener:
         with open(path + ".token", "w") as f:
             f.write(token)
         self.local = {"endpoint": f"ipc://{path}", "token": token}
+        if self.shared_memory:
+            if self._ipc_dir.in_memory:
+                self.slab_folder = self._ipc_dir.path
+            else:
+                log.info("the socket folder %s is not in memory: local clients' batches go through the socket",
+                         self._ipc_dir.path)
 
     def _remove_local(self) -> None:
         if self._ipc_dir is not None:
             self._ipc_dir.remove()
             self._ipc_dir = None
+            self.slab_folder = None
 
     def _secure(self, router: zmq.Socket) -> None:
         """CURVE on the socket (before bind), or a warning where the clear text can leave the machine."""

@@ -1,8 +1,11 @@
 """The private folder of a server's Unix socket, and the sweep of folders that dead servers left.
 
 A server that offers local clients a Unix socket (``Server(local_ipc=True)``) keeps it in a folder
-of its own in the temporary directory (mode 700: only this user's processes reach it). A server
-killed with -9 cannot remove that folder, so every start sweeps the folders whose server is gone.
+of its own (mode 700: only this user's processes reach it), with the shared-memory slabs its local
+clients' batches are placed in (``fuelline.server.serving.slabs``). The folder goes in ``$TMPDIR``
+where that is set, else in /dev/shm (memory, so slabs there cost no disk), else in the temporary
+directory. A server killed with -9 cannot remove that folder, so every start sweeps the folders
+whose server is gone, slabs and all.
 
 A live server holds an exclusive ``flock`` on ``server.lock`` in its folder for as long as it runs;
 the kernel drops the lock when the process dies, however it dies, so the sweep can tell a live
@@ -23,7 +26,7 @@ import socket
 import stat
 import tempfile
 
-__all__ = ["LocalSocketDir", "sweep_stale_dirs", "PREFIX"]
+__all__ = ["LocalSocketDir", "sweep_stale_dirs", "PREFIX", "default_base", "on_memory_fs"]
 
 log = logging.getLogger("fuelline.server")
 
@@ -33,20 +36,59 @@ TOKEN = SOCKET + ".token"
 LOCK = "server.lock"
 
 
+SHM = "/dev/shm"
+MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def default_base() -> str:
+    """Where socket folders go: ``$TMPDIR`` if set, else /dev/shm if this user may write there,
+    else the temporary directory."""
+    if not os.environ.get("TMPDIR") and os.path.isdir(SHM) and os.access(SHM, os.W_OK | os.X_OK):
+        return SHM
+    return tempfile.gettempdir()
+
+
+def on_memory_fs(path: str) -> bool:
+    """Whether ``path`` lies on a file system in memory (tmpfs, ramfs), by /proc/self/mountinfo:
+    the mount point that is the longest prefix of its real path decides."""
+    real = os.path.realpath(path)
+    best, fstype = -1, ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if " - " not in line or len(fields) < 5:
+                    continue
+                point = fields[4].replace("\\040", " ")
+                after = line.split(" - ", 1)[1].split()
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if after and inside and len(point) >= best:
+                    best, fstype = len(point), after[0]
+    except OSError:
+        return False
+    return fstype in MEMORY_FILE_SYSTEMS
+
+
 class LocalSocketDir:
     """A server's socket folder, locked while the server lives.
 
     Args:
-        base: where to make it; the temporary directory by default.
+        base: where to make it; ``default_base()`` by default.
     """
 
     def __init__(self, base: str | None = None) -> None:
+        base = base or default_base()
         sweep_stale_dirs(base)
         self.path = tempfile.mkdtemp(prefix=PREFIX, dir=base)
         # The lock before the socket: the sweep only looks at folders that have a socket or its
         # token, and by then this lock is held.
         self._lock_fd: int | None = os.open(os.path.join(self.path, LOCK), os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    @property
+    def in_memory(self) -> bool:
+        """Whether the folder is on a memory file system (where slabs may go)."""
+        return on_memory_fs(self.path)
 
     @property
     def socket_path(self) -> str:
@@ -98,7 +140,7 @@ def sweep_stale_dirs(base: str | None = None) -> list[str]:
 
     Only folders of this user that hold a server socket or its token are considered.
     """
-    base = base or tempfile.gettempdir()
+    base = base or default_base()
     removed = []
     for path in glob.glob(os.path.join(glob.escape(base), PREFIX + "*")):
         try:

@@ -45,6 +45,7 @@ from fuelline.server.serving.inbound import decode_request
 from fuelline.server.serving.keys import CurveConfig
 from fuelline.server.serving.listener import Listener
 from fuelline.server.serving.session import Session
+from fuelline.server.serving.slabs import SessionSlabs
 from fuelline.server.serving.status import StatusLine, counters
 from fuelline.server.sources.contract import BatchSource
 
@@ -72,6 +73,10 @@ class Server(Listener):
         local_ipc: also listen on a Unix socket (in a private temporary folder, mode 700: only
             this user's processes reach it) and offer it to clients in their Welcome: one on this
             host moves there, remote ones keep TCP. Not with ``curve``.
+        shared_memory: place the batches of clients on the Unix socket in shared memory, where
+            they ask for it and the socket folder is in memory: no copy through the socket, no
+            checksum (``fuelline.protocol.placement``). A batch that finds no free slab, and every
+            batch once a slab cannot be made (/dev/shm full), goes through the socket.
         insecure: serve in the clear off loopback. Without it, a ``host`` other than loopback
             needs ``curve``: an open port would serve the data to anyone who reaches it.
         memory_cache: the last K batches sent to each client are kept (with those prepared ahead
@@ -102,6 +107,7 @@ class Server(Listener):
         status_interval: float = 0.0,
         memory_cache: int = 10,
         local_ipc: bool = True,
+        shared_memory: bool = True,
         insecure: bool = False,
         max_clients: int = DEFAULT_MAX_CLIENTS,
         max_clients_per_peer: int | None = None,
@@ -118,7 +124,7 @@ class Server(Listener):
         self.max_client_heartbeat = max_client_heartbeat
         self.admission = Admission(max_clients, max_clients_per_peer, grace=max_client_heartbeat)
         super().__init__(host=host, port=port, hwm=hwm, context=context, curve=curve, local_ipc=local_ipc,
-                         insecure=insecure)
+                         insecure=insecure, shared_memory=shared_memory)
         self.source = source
         self.heartbeat = heartbeat
         self.checksum = checksum
@@ -131,7 +137,7 @@ class Server(Listener):
         # ahead of them (held anyway), so a client that lost its in-flight batches gets them again.
         self.recent = RecentBatches(memory_cache + hwm) if memory_cache else None
         self.stats = {"malformed": 0, "dropped_silent": 0, "sessions": 0, "batches": 0, "bytes": 0, "refused_busy": 0,
-                      "errors": 0}
+                      "errors": 0, "batches_shared": 0}
         self.status_interval = status_interval  # seconds between status lines in the log; 0: none
         self._status = StatusLine(status_interval, time.monotonic())
 
@@ -253,7 +259,9 @@ class Server(Listener):
             if session is None:
                 self._reply(rid, ErrorCode.NO_SESSION, "no session for this connection; send Hello", fatal=False)
             elif isinstance(msg, Credit):
-                self._credit(session, msg.n)
+                session.release(msg.released)
+                if msg.n:
+                    self._credit(session, msg.n)
         elif isinstance(msg, Bye):
             if session is not None:
                 self._drop(session, f"said bye ({msg.reason})" if msg.reason else "said bye", level=logging.INFO)
@@ -319,9 +327,14 @@ class Server(Listener):
                 self._drop(other, "moved to this host's Unix socket", level=logging.DEBUG)
             else:
                 self._drop(other, "replaced by a new connection of the same client", level=logging.INFO)
-        name = f"{hello.client_id[:12]}#{uuid.uuid4().hex[:6]}"
+        tag = uuid.uuid4().hex
+        name = f"{hello.client_id[:12]}#{tag[:6]}"
+        slabs = None
+        if hello.shm and peer == LOCAL and self.slab_folder is not None:
+            # Prepared, in flight, and a few the client still holds or has not yet said it let go.
+            slabs = SessionSlabs(self.slab_folder, tag, max_slabs=3 * self.hwm + 8)
         session = Session(rid, hello, src, tuple(wanted), self.hwm, self.checksum, self._wake, name, self.recent,
-                          peer=peer, max_heartbeat=self.max_client_heartbeat)
+                          peer=peer, max_heartbeat=self.max_client_heartbeat, slabs=slabs)
         self.sessions[rid] = session
         self.stats["sessions"] += 1
         schema = src.schema()
@@ -345,14 +358,16 @@ class Server(Listener):
             )
 
     def _flush(self, session: Session) -> None:
-        for kind, frames in session.take_sendable():
+        for kind, frames, nbytes in session.take_sendable():
             if not self._send(session.routing_id, frames):
                 return
             if kind in ("batch", "end"):
                 session.sent_items += 1  # (heartbeats tell the client, which counts what arrived)
             if kind == "batch":
                 self.stats["batches"] += 1
-                self.stats["bytes"] += sum(memoryview(f).nbytes for f in frames[1:])
+                self.stats["bytes"] += nbytes
+                if len(frames) == 1 and nbytes:
+                    self.stats["batches_shared"] += 1
 
     def counters(self) -> dict[str, int]:
         """Everything counted so far: batches and bytes sent, sessions, the cache tiers' hits and

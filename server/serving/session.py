@@ -21,18 +21,22 @@ import traceback
 from collections import deque
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from fuelline.protocol import Batch, DataError, EndOfEpoch, Error, ErrorCode, Hello, ProtocolError, encode
 from fuelline.protocol.arrays import wire_array
-from fuelline.protocol.codec import batch_checksums
+from fuelline.protocol.codec import batch_checksums, encode_placed
 from fuelline.server.cache.memory import RecentBatches
+from fuelline.server.serving.slabs import SessionSlabs
+from fuelline.server.sources.buffers import allocating
 from fuelline.server.sources.contract import BatchSource
 
 __all__ = ["Session"]
 
 log = logging.getLogger("fuelline.server")
 
-# An item ready to send: (kind, frames); kind "batch" needs credit, the others do not.
-Outgoing = tuple[str, list[Any]]
+# An item ready to send: (kind, frames, bytes of its arrays); kind "batch" needs credit, the others do not.
+Outgoing = tuple[str, list[Any], int]
 
 
 class Session:
@@ -42,6 +46,8 @@ class Session:
         peer: the connection's remote address (``"local"`` over ipc), for caps and logs.
         max_heartbeat: the longest heartbeat interval the server lets a client claim: a silent
             client is dropped after 3 intervals, so this bounds how long a mute one is kept.
+        slabs: where to place its batches in shared memory (a local client that asked for it),
+            or None: every batch goes over the socket.
     """
 
     def __init__(
@@ -58,6 +64,7 @@ class Session:
         *,
         peer: str = "local",
         max_heartbeat: float = 3600.0,
+        slabs: SessionSlabs | None = None,
     ) -> None:
         self.routing_id = routing_id
         self.hello = hello
@@ -84,6 +91,7 @@ class Session:
         # What a cached batch must have been prepared for, besides its client and position.
         self._request = (hello.split, hello.rank, hello.world_size, hello.history, sources)
         self._checksum = checksum
+        self.slabs = slabs
         self._wake = wake
         self._ready: deque[Outgoing] = deque()
         self._cond = threading.Condition()
@@ -118,6 +126,13 @@ class Session:
             self._stopped = True
             self._ready.clear()
             self._cond.notify_all()
+        if self.slabs is not None:
+            self.slabs.close()
+
+    def release(self, regions: tuple[int, ...]) -> None:
+        """The client let go of the batches placed in these shared-memory regions."""
+        if self.slabs is not None and regions:
+            self.slabs.release(regions)
 
     def join(self, timeout: float) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -157,7 +172,7 @@ class Session:
             return out  # (a racy peek is fine: a producer that appends rings the loop again)
         with self._cond:
             while self._ready:
-                kind, frames = self._ready[0]
+                kind = self._ready[0][0]
                 if kind == "batch":
                     if self.credit <= 0 or self.in_flight >= self.hwm:
                         break
@@ -184,7 +199,7 @@ class Session:
 
     def _report_loss(self, message: str) -> None:
         """Data left out under --on-bad-shard skip: the client is told, in order with its batches."""
-        self._put(("notice", encode(Error(ErrorCode.DATA_LOSS, message, fatal=False))))
+        self._put(("notice", encode(Error(ErrorCode.DATA_LOSS, message, fatal=False)), 0))
 
     def _remembered(self, epoch: int, seq: int) -> dict[str, Any] | None:
         """Batch ``seq`` from the memory tier, if it holds it unchanged. A Fuel stream's arrays
@@ -208,7 +223,11 @@ class Session:
         recent = self._recent
         if recent is None:
             return
-        if not self._immutable and not self._checksum:  # (a reused buffer could not be told from the batch sent)
+        if self.slabs is not None and self.slabs.holds(arrays):
+            recent.misses += 1  # (built in a slab, which is used again once the client lets it go)
+            return
+        if not self._immutable and (not self._checksum or len(frames) == 1):
+            # (a reused buffer could not be told from the batch sent: no checksums, or placed in shared memory)
             recent.misses += 1
             return
         entry = (arrays, None if self._immutable else batch_checksums(frames))
@@ -238,35 +257,50 @@ class Session:
         finally:
             batches.close()
 
+    def _encode(self, batch: Batch) -> tuple[list[Any], int]:
+        """A batch's frames, placed in shared memory where this session can, and its bytes."""
+        if self.slabs is not None:
+            placed = self.slabs.place(batch.arrays)
+            if placed is not None:
+                metas, placement = placed
+                return encode_placed(batch, metas, placement), sum(m.nbytes for m in metas)
+            if self.slabs.holds(batch.arrays):  # (a slab may be reused once the socket has it: copy)
+                batch = Batch(batch.stream, batch.epoch, batch.seq, {k: np.array(v) for k, v in batch.arrays.items()})
+        frames = encode(batch, checksum=self._checksum)
+        return frames, sum(memoryview(f).nbytes for f in frames[1:])
+
     def _produce(self) -> None:
         h = self.hello
         epoch, cursor = h.epoch, h.cursor
         where = f"data server session {self.name} (split {h.split!r}, rank {h.rank} of {h.world_size})"
+        # A client that reads shared memory has its batches gathered in its slabs to begin with.
+        carve = allocating(self.slabs.carve if self.slabs is not None else None)
         try:
-            while not self._stopped:
-                seq = cursor
-                batches = self._batches(epoch, cursor)
-                try:
-                    for arrays, fresh in batches:
-                        frames = encode(Batch(h.stream, epoch, seq, arrays), checksum=self._checksum)
-                        if not self._put(("batch", frames)):
-                            return  # (stopped: a client that left or was replaced is not remembered)
-                        if fresh:
-                            self._remember(epoch, seq, arrays, frames)
-                        seq += 1
-                finally:
-                    batches.close()
-                if not self._put(("end", encode(EndOfEpoch(h.stream, epoch, seq)))):
-                    return
-                # A resume saved after an epoch's last batch, on another world size, leaves the
-                # epoch nothing: it ends at once, as it does at the same world size.
-                if seq == 0 and not (h.history and epoch == h.epoch):
-                    raise DataError(f"epoch {epoch} of split {h.split!r} has no batches")
-                epoch, cursor = epoch + 1, 0
+            with carve:
+                while not self._stopped:
+                    seq = cursor
+                    batches = self._batches(epoch, cursor)
+                    try:
+                        for arrays, fresh in batches:
+                            frames, nbytes = self._encode(Batch(h.stream, epoch, seq, arrays))
+                            if not self._put(("batch", frames, nbytes)):
+                                return  # (stopped: a client that left or was replaced is not remembered)
+                            if fresh:
+                                self._remember(epoch, seq, arrays, frames)
+                            seq += 1
+                    finally:
+                        batches.close()
+                    if not self._put(("end", encode(EndOfEpoch(h.stream, epoch, seq)), 0)):
+                        return
+                    # A resume saved after an epoch's last batch, on another world size, leaves the
+                    # epoch nothing: it ends at once, as it does at the same world size.
+                    if seq == 0 and not (h.history and epoch == h.epoch):
+                        raise DataError(f"epoch {epoch} of split {h.split!r} has no batches")
+                    epoch, cursor = epoch + 1, 0
         except DataError as exc:
             log.error("in %s, epoch %d: %s", where, epoch, exc)
-            self._put(("error", encode(Error(ErrorCode.DATA, f"in {where}, epoch {epoch}: {exc}"))))
+            self._put(("error", encode(Error(ErrorCode.DATA, f"in {where}, epoch {epoch}: {exc}")), 0))
         except Exception as exc:  # a bug: report it to the client with its place, keep serving others
             log.exception("in %s, epoch %d", where, epoch)
             tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            self._put(("error", encode(Error(ErrorCode.INTERNAL, f"in {where}, epoch {epoch}: {tb}"))))
+            self._put(("error", encode(Error(ErrorCode.INTERNAL, f"in {where}, epoch {epoch}: {tb}")), 0))

@@ -11,6 +11,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from fuelline.protocol import DataError
+from fuelline.server.sources.buffers import empty
 from fuelline.server.sources.ordering import EpochPlan
 
 __all__ = ["BlockReader", "Column", "ROWS"]
@@ -20,6 +21,21 @@ log = logging.getLogger("fuelline.server")
 # In a decoded unit, beside its columns: which rows of its arrays the unit serves, in order, when
 # they hold more (rows it skips, so that the rest can stay views of one buffer); absent, all rows.
 ROWS = "\x00rows"
+
+
+# Rows at least this large are copied one at a time, straight into the batch: fancy indexing
+# would copy them twice (into a temporary, then into place), which costs more than a Python step
+# per row from about 8 KB a row (a 28 KB window: 1.1 against 1.6 µs a row; a 1 KB one: 0.33 against 0.25).
+ROW_BY_ROW_BYTES = 8192
+
+
+def _gather_rows(out: np.ndarray, dest: np.ndarray, part: np.ndarray, src: np.ndarray) -> None:
+    """``out[dest] = part[src]``, each row copied once where rows are large."""
+    if out.ndim and out[0].nbytes >= ROW_BY_ROW_BYTES:
+        for d, s in zip(dest.tolist(), src.tolist()):
+            out[d] = part[s]
+    else:
+        out[dest] = part[src]
 
 
 class Column(Protocol):
@@ -231,21 +247,21 @@ class BlockReader:
         n = len(units)
         if not n:
             return {c.name: np.empty((0, *c.shape), dtype=c.dtype) for c in self.columns}
+        arrays = empty([((n, *c.shape), np.dtype(c.dtype)) for c in self.columns])
+        out = {c.name: arr for c, arr in zip(self.columns, arrays)}
         if units[0] == units[-1] and (units == units[0]).all():
-            part = parts[int(units[0])]
-            return {c.name: part[c.name][offsets] for c in self.columns}
-        out = {c.name: np.empty((n, *c.shape), dtype=c.dtype) for c in self.columns}
-        # Positions grouped by unit once, for every column: each unit is then one gather per
-        # column, whatever the number of rows drawn from it.
-        by_unit = np.argsort(units, kind="stable")
-        grouped = units[by_unit]
-        bounds = [0, *(np.flatnonzero(grouped[1:] != grouped[:-1]) + 1).tolist(), n]
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            dest = by_unit[lo:hi]
-            src = offsets[dest]
-            part = parts[int(grouped[lo])]
+            groups = [(int(units[0]), np.arange(n), offsets)]
+        else:
+            # Positions grouped by unit once, for every column: each unit is then one gather per
+            # column, whatever the number of rows drawn from it.
+            by_unit = np.argsort(units, kind="stable")
+            grouped = units[by_unit]
+            bounds = [0, *(np.flatnonzero(grouped[1:] != grouped[:-1]) + 1).tolist(), n]
+            groups = [(int(grouped[lo]), by_unit[lo:hi], offsets[by_unit[lo:hi]]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        for u, dest, src in groups:
+            part = parts[u]
             for c in self.columns:
-                out[c.name][dest] = part[c.name][src]
+                _gather_rows(out[c.name], dest, part[c.name], src)
         return out
 
     def close(self) -> None:

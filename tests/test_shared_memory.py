@@ -1,0 +1,287 @@
+"""Batches placed in shared memory for a client on the server's host: the same batches as the
+socket gives, memory reused only once the user lets a batch go, bounded, removed with the session,
+and a header that lies gets a clear error."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+import fuelline.client.receiving as receiving
+from fuelline.client import ServerDataStream
+from fuelline.client.slabs import ClientSlabs
+from fuelline.protocol import VERSION, ArrayMeta, Credit, ProtocolError, decode, encode
+from fuelline.protocol.placement import Placement
+from fuelline.server.serving.local_ipc import default_base, on_memory_fs
+from fuelline.server.serving.server import Server
+from fuelline.server.serving.slabs import SessionSlabs
+from fuelline.server.sources.parquet import ParquetSource
+
+from support.processes import wait_until
+
+TIMEOUT = 20.0
+HWM = 4
+
+
+@pytest.fixture
+def server(sample_dataset: Path):
+    if not on_memory_fs(default_base()):
+        pytest.skip(f"socket folders go to {default_base()}, which is not in memory: no shared memory here")
+    source = ParquetSource(str(sample_dataset), batch_size=100, seed=3)
+    server = Server(source, port=0, hwm=HWM, heartbeat=5.0)
+    server.start()
+    yield server
+    server.stop()
+    server.join(10)
+    source.close()
+
+
+def stream(server: Server, **options) -> ServerDataStream:
+    return ServerDataStream(("sample_id", "features"), endpoints=[server.endpoint.removeprefix("tcp://")], hwm=HWM, timeout=TIMEOUT,
+                            receive_timeout=TIMEOUT, **options)
+
+
+def placed(array: np.ndarray) -> bool:
+    """Whether an array lies on a mapping of a server's slab (its base is a slab lease)."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return isinstance(base, ctypes.Array)
+
+
+def epoch(server: Server, keep: bool = False, **options) -> list[dict[str, np.ndarray]]:
+    """One epoch's batches, as copies (``keep``: as served, every batch still held), with
+    ``placed``: whether the batch came in shared memory."""
+    with stream(server, **options) as s:
+        return [{"sample_id": b[0] if keep else b[0].copy(), "features": b[1] if keep else b[1].copy(),
+                 "placed": np.array([placed(b[0]) and placed(b[1])])}
+                for b in s.get_epoch_iterator()]
+
+
+def shared(batches: list[dict[str, np.ndarray]]) -> int:
+    return sum(bool(b["placed"][0]) for b in batches)
+
+
+def slab_files(server: Server) -> list[str]:
+    assert server.slab_folder is not None
+    return glob.glob(os.path.join(server.slab_folder, "slab-*"))
+
+
+def assert_same(got: list[dict[str, np.ndarray]], expected: list[dict[str, np.ndarray]]) -> None:
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        for name in ("sample_id", "features"):
+            np.testing.assert_array_equal(a[name], b[name])
+
+
+def test_a_local_client_reads_the_same_epoch_from_shared_memory(server: Server) -> None:
+    wire = epoch(server, shared_memory=False)
+    tcp = epoch(server, local=False)
+    assert server.stats["batches_shared"] == shared(wire) == shared(tcp) == 0
+    with stream(server) as s:
+        local = [{"sample_id": b[0].copy(), "features": b[1].copy(), "placed": np.array([placed(b[0]) and placed(b[1])])}
+                 for b in s.get_epoch_iterator()]
+        (session,) = server.sessions.values()
+        # Shuffled rows gathered straight into shared memory: nothing copied them again.
+        assert session.slabs is not None and session.slabs.built_in_place >= 80
+    assert shared(local) == len(local) == 80
+    assert server.stats["batches_shared"] >= 80  # (and those it sent ahead, of the next epoch)
+    assert_same(local, wire)
+    assert_same(local, tcp)
+
+
+class Large:
+    """A Fuel-style stream of 120 batches of 256 KB: four to a slab of 1 MB."""
+
+    sources = ("x",)
+
+    def get_epoch_iterator(self, **kwargs):
+        for i in range(120):
+            yield (np.full((64, 1024), i, dtype=np.float32),)
+
+
+@pytest.fixture
+def large_server():
+    if not on_memory_fs(default_base()):
+        pytest.skip(f"socket folders go to {default_base()}, which is not in memory: no shared memory here")
+    from fuelline.server.sources.fuel import FuelStreamSource
+
+    with Server(FuelStreamSource(Large(), fresh_arrays=True), port=0, hwm=HWM, heartbeat=5.0) as server:
+        yield server
+
+
+def large_stream(server: Server) -> ServerDataStream:
+    return ServerDataStream(endpoints=[server.endpoint.removeprefix("tcp://")], hwm=HWM, timeout=TIMEOUT,
+                            receive_timeout=TIMEOUT)
+
+
+def test_a_batch_the_user_holds_is_never_written_again(large_server: Server) -> None:
+    with large_stream(large_server) as s:
+        it = s.get_epoch_iterator()
+        held = next(it)[0]
+        view = held[3:7]  # a slice keeps the batch's memory too
+        del held
+        taken = 0
+        for _ in range(3):
+            for (x,) in it:
+                taken += placed(x)
+                assert (x == x[0, 0]).all()
+                # Every slab the session made is one it may make: prepared, in flight, held.
+                assert len(slab_files(large_server)) <= 3 * HWM + 8
+            it = s.get_epoch_iterator()
+        assert taken > 4 * (3 * HWM + 8)  # more batches in shared memory than its slabs hold at once
+        assert (view == 0).all()
+
+
+def test_slabs_are_reused_once_released(large_server: Server) -> None:
+    taken = 0
+    with large_stream(large_server) as s:
+        for _ in range(3):
+            for (x,) in s.get_epoch_iterator():
+                taken += placed(x)
+        (session,) = large_server.sessions.values()
+        assert session.slabs is not None
+        made = session.slabs._names
+    # 360 batches, four to a slab, from at most 20 slabs: each slab went back and was used again.
+    assert taken == 360
+    assert made <= 3 * HWM + 8
+
+
+def test_a_client_that_keeps_every_batch_gets_the_rest_through_the_socket(large_server: Server) -> None:
+    with large_stream(large_server) as s:
+        kept = [b[0] for b in s.get_epoch_iterator()]
+        assert len(slab_files(large_server)) <= 3 * HWM + 8
+    assert [int(a[0, 0]) for a in kept] == list(range(120))
+    assert all((a == a[0, 0]).all() for a in kept)  # none was written over while held
+    # The session stopped at its cap of slabs, four batches each; the rest went over the socket.
+    in_shared = sum(placed(a) for a in kept)
+    assert 0 < in_shared <= 4 * (3 * HWM + 8) < len(kept)
+
+
+def test_a_session_removes_its_slabs_when_it_ends(server: Server) -> None:
+    with stream(server) as s:
+        it = s.get_epoch_iterator()
+        held = next(it)
+        assert slab_files(server)
+    wait_until(lambda: not server.sessions, TIMEOUT, "the session ended after the client's bye")
+    assert slab_files(server) == []
+    # The batch the user kept is still readable: its mapping outlives the file.
+    assert held[0].shape == (100,) and int(held[0].max()) < 10_000
+    folder = server.slab_folder
+    server.stop()
+    server.join(10)
+    assert not os.path.exists(folder)
+
+
+def test_a_server_whose_socket_folder_is_on_disk_sends_through_the_socket(
+    sample_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if on_memory_fs(str(tmp_path)):
+        pytest.skip(f"{tmp_path} is in memory")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    source = ParquetSource(str(sample_dataset), batch_size=100, seed=3)
+    with Server(source, port=0, hwm=HWM, heartbeat=5.0) as server:
+        assert server.slab_folder is None and server.local is not None
+        assert shared(epoch(server)) == server.stats["batches_shared"] == 0
+    source.close()
+
+
+def test_a_server_may_keep_shared_memory_off(sample_dataset: Path) -> None:
+    source = ParquetSource(str(sample_dataset), batch_size=100, seed=3)
+    with Server(source, port=0, hwm=HWM, heartbeat=5.0, shared_memory=False) as server:
+        assert server.slab_folder is None
+        assert shared(epoch(server)) == server.stats["batches_shared"] == 0
+    source.close()
+
+
+def test_a_slab_that_cannot_be_mapped_sends_the_client_back_to_the_socket(
+    server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    expected = epoch(server, shared_memory=False)
+    # As if the server's folder were out of this client's reach (another mount namespace).
+    monkeypatch.setattr(receiving, "ClientSlabs", lambda folder: ClientSlabs(str(tmp_path / "elsewhere")))
+    with caplog.at_level(logging.WARNING, logger="fuelline.client"):
+        got = epoch(server)
+    assert_same(got, expected)
+    assert shared(got) == 0
+    assert any("reading through the socket instead" in r.getMessage() and "elsewhere" in r.getMessage()
+               for r in caplog.records)
+
+
+# -- lies and limits --------------------------------------------------------------------------------
+
+
+def placed_header(slab: str, at: list[int], shape: tuple[int, ...] = (4,)) -> bytes:
+    meta = ArrayMeta("x", "<f4", shape, 4 * int(np.prod(shape)), None)
+    return msgpack.packb({"v": VERSION, "t": "batch", "stream": 1, "epoch": 0, "seq": 0, "a": [meta.to_wire()],
+                          "ck": None, "m": {"slab": slab, "r": 7, "at": at}})
+
+
+def test_a_placed_batch_is_refused_by_a_connection_that_did_not_ask_for_one() -> None:
+    with pytest.raises(ProtocolError, match="did not ask for"):
+        decode([placed_header("slab-ab-0", [0])])
+
+
+@pytest.mark.parametrize("slab, at, why", [
+    ("../../etc/passwd", [0], "not a slab's file name"),
+    ("/dev/shm/slab-ab-0", [0], "not a slab's file name"),
+    ("slab-ab-0", [-64], "negative, unaligned"),
+    ("slab-ab-0", [3], "negative, unaligned"),
+    ("slab-ab-0", [0, 8], "offsets for 1 arrays"),
+    ("slab-ab-0", [0, 64], "offsets for 1 arrays"),
+])
+def test_a_placement_that_points_elsewhere_is_refused(slab: str, at: list[int], why: str) -> None:
+    with pytest.raises(ProtocolError, match=why):
+        decode([placed_header(slab, at)], place=lambda stream, metas, placement: {})
+
+
+def test_a_placement_past_the_end_of_its_slab_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "slab-ab-0").write_bytes(bytes(1024))
+    slabs = ClientSlabs(str(tmp_path))
+    meta = ArrayMeta("x", "<f4", (256,), 1024, None)
+    assert slabs.arrays([meta], Placement("slab-ab-0", 1, (0,)))["x"].shape == (256,)
+    with pytest.raises(ProtocolError, match="slab-ab-0 reaches byte 1088, past its end at 1024"):
+        slabs.arrays([meta], Placement("slab-ab-0", 2, (64,)))
+
+
+def test_a_session_frees_only_the_regions_it_lent(tmp_path: Path) -> None:
+    mine, other = SessionSlabs(str(tmp_path), "aa", 4), SessionSlabs(str(tmp_path), "bb", 4)
+    _, placed = mine.place({"x": np.arange(10)})
+    _, theirs = other.place({"x": np.arange(10)})
+    mine.release((theirs.region, 10**12))  # another session's region, and one never lent
+    assert mine.lent == 1 and other.lent == 1
+    mine.release((placed.region,))
+    assert mine.lent == 0
+    mine.close()
+    other.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_slab_files_are_this_users_alone(server: Server) -> None:
+    with stream(server) as s:
+        next(s.get_epoch_iterator())
+        modes = {oct(os.stat(p).st_mode & 0o777) for p in slab_files(server)}
+    assert modes == {"0o600"}
+    assert oct(os.stat(server.slab_folder).st_mode & 0o777) == "0o700"
+
+
+@pytest.mark.parametrize("credit, why", [
+    ({"n": 0}, "Credit.n must be an int >= 1"),
+    ({"n": 0, "released": [-1]}, "not a region id"),
+    ({"n": 1, "released": list(range(4097))}, "at most 4096"),
+])
+def test_a_credit_that_releases_nonsense_is_malformed(credit: dict, why: str) -> None:
+    frame = msgpack.packb({"v": VERSION, "t": "credit", **credit})
+    with pytest.raises(ProtocolError, match=why):
+        decode([frame])
+
+
+def test_a_credit_that_only_releases_round_trips() -> None:
+    assert decode(encode(Credit(0, (1, 2, 3)))) == Credit(0, (1, 2, 3))
