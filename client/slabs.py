@@ -43,6 +43,7 @@ class ClientSlabs:
         self.folder = folder
         self.released: deque[int] = deque()  # region ids whose batches are gone (appended from any thread)
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._session = ""  # the session whose slabs are mapped (the tag in their names)
         self._lease_types: dict[int, type] = {}
 
     def take_released(self) -> tuple[int, ...]:
@@ -88,6 +89,12 @@ class ClientSlabs:
         if mapping is not None:
             self._maps.move_to_end(name)
             return mapping
+        session = name.split("-")[1]
+        if session != self._session:
+            # A new session (a reconnect, a seek): the last one's slabs are gone from the folder,
+            # and their memory goes back to the system once no batch of theirs is held.
+            self._maps.clear()
+            self._session = session
         path = os.path.join(self.folder, name)
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)

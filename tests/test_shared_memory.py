@@ -285,3 +285,62 @@ def test_a_credit_that_releases_nonsense_is_malformed(credit: dict, why: str) ->
 
 def test_a_credit_that_only_releases_round_trips() -> None:
     assert decode(encode(Credit(0, (1, 2, 3)))) == Credit(0, (1, 2, 3))
+
+
+def test_a_client_maps_only_the_slabs_of_its_current_session(tmp_path: Path) -> None:
+    for name in ("slab-aa-0", "slab-aa-1", "slab-bb-0"):
+        (tmp_path / name).write_bytes(np.full(256, ord(name[-4]), dtype=np.uint8).tobytes())
+    slabs = ClientSlabs(str(tmp_path))
+    meta = ArrayMeta("x", "|u1", (256,), 256, None)
+    old = slabs.arrays([meta], Placement("slab-aa-0", 1, (0,)))["x"]
+    slabs.arrays([meta], Placement("slab-aa-1", 2, (0,)))
+    assert len(slabs._maps) == 2
+    slabs.arrays([meta], Placement("slab-bb-0", 3, (0,)))
+    # The session before is over: its slabs are let go, but a batch still held keeps its own.
+    assert list(slabs._maps) == ["slab-bb-0"]
+    assert (old == ord("a")).all()
+
+
+def test_a_server_that_cannot_make_a_slab_says_so_and_sends_through_the_socket(
+    sample_dataset: Path, start_serve, tmp_path: Path
+) -> None:
+    if not on_memory_fs(default_base()):
+        pytest.skip(f"socket folders go to {default_base()}, which is not in memory: no shared memory here")
+    import sys
+
+    from support.processes import ServerProcess
+
+    expected = start_serve(sample_dataset, "--batch-size", "100", "--seed", "3")
+    with ServerDataStream(("sample_id",), endpoints=[expected.endpoint], timeout=TIMEOUT, local=False) as s:
+        want = [b[0].tolist() for b in s.get_epoch_iterator()]
+    # No file may grow past 512 KB in this server, so its first slab (1 MB, reserved at once) fails
+    # as on a full /dev/shm (EFBIG here, ENOSPC there: the same path).
+    serve = f"ulimit -f 512; exec {sys.executable} -m fuelline.server.cli serve {sample_dataset} --port 0 " \
+            "--batch-size 100 --seed 3"
+    server = ServerProcess(["bash", "-c", serve], tmp_path / "limited.log")
+    try:
+        with ServerDataStream(("sample_id",), endpoints=[server.endpoint], timeout=TIMEOUT) as s:
+            got = [(b[0].tolist(), placed(b[0])) for b in s.get_epoch_iterator()]
+            assert s.transports[0].startswith("ipc://")
+        assert [ids for ids, _ in got] == want
+        assert not any(p for _, p in got)
+        assert "cannot make a shared-memory slab" in server.log() and "go through the socket" in server.log()
+    finally:
+        assert server.terminate() == 0
+
+
+def test_the_slabs_of_a_killed_server_go_at_the_next_start(sample_dataset: Path, start_serve) -> None:
+    if not on_memory_fs(default_base()):
+        pytest.skip(f"socket folders go to {default_base()}, which is not in memory: no shared memory here")
+    server = start_serve(sample_dataset, "--batch-size", "100")
+    with ServerDataStream(("sample_id",), endpoints=[server.endpoint], timeout=TIMEOUT, heartbeat=0.2) as s:
+        it = s.get_epoch_iterator()
+        held = next(it)[0]
+        assert placed(held)
+        folder = os.path.dirname(s.transports[0][len("ipc://"):])
+        assert glob.glob(os.path.join(folder, "slab-*"))
+        copy = held.copy()
+        server.kill()
+        start_serve(sample_dataset, "--batch-size", "100")  # (its start sweeps what the dead one left)
+        assert not os.path.exists(folder)
+        np.testing.assert_array_equal(held, copy)  # the batch held outlives its file and its server
