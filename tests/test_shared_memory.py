@@ -255,7 +255,7 @@ def test_a_placement_past_the_end_of_its_slab_is_refused(tmp_path: Path) -> None
 
 
 def test_a_session_frees_only_the_regions_it_lent(tmp_path: Path) -> None:
-    mine, other = SessionSlabs(str(tmp_path), "aa", 4), SessionSlabs(str(tmp_path), "bb", 4)
+    mine, other = SessionSlabs(str(tmp_path), "aa", 4, keep_free=0), SessionSlabs(str(tmp_path), "bb", 4, keep_free=0)
     _, placed = mine.place({"x": np.arange(10)})
     _, theirs = other.place({"x": np.arange(10)})
     mine.release((theirs.region, 10**12))  # another session's region, and one never lent
@@ -347,3 +347,18 @@ def test_the_slabs_of_a_killed_server_go_at_the_next_start(sample_dataset: Path,
         start_serve(sample_dataset, "--batch-size", "100")  # (its start sweeps what the dead one left)
         assert not os.path.exists(folder)
         np.testing.assert_array_equal(held, copy)  # the batch held outlives its file and its server
+
+
+def test_no_slab_is_made_that_would_leave_its_file_system_short(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    usage = shutil.disk_usage(tmp_path)
+    # As if the folder's file system (a small /dev/shm) were nearly full: keep all but 512 KB free.
+    slabs = SessionSlabs(str(tmp_path), "aa", 4, keep_free=(usage.free - 2**19) / usage.total)
+    with caplog.at_level(logging.WARNING, logger="fuelline.server"):
+        assert slabs.place({"x": np.arange(10)}) is None
+    assert slabs.passed == 1 and list(tmp_path.iterdir()) == []
+    assert "cannot make a shared-memory slab of 1 MB" in caplog.text and "under" in caplog.text
+    roomy = SessionSlabs(str(tmp_path), "bb", 4, keep_free=0.0)
+    assert roomy.place({"x": np.arange(10)}) is not None
+    roomy.close()

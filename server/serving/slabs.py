@@ -21,7 +21,9 @@ slab is reused while a batch built in it waits to be placed.
 
 The session holds at most ``max_slabs``; a batch that finds no room, or a slab that cannot be made,
 goes over the socket as before, so a client that keeps every batch it is given makes the server
-fall back, not grow.
+fall back, not grow. Nor is a slab made that would leave less than a quarter of its file system
+free (``KEEP_FREE``): /dev/shm is shared with the worker processes' hand-off files and with every
+other program on the host, and many local clients of large batches must not fill it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ __all__ = ["SessionSlabs"]
 log = logging.getLogger("fuelline.server")
 
 GRAIN = 1 << 20  # slab sizes are rounded up to this
+KEEP_FREE = 0.25  # of the slab folder's file system, left free by new slabs
 _REGIONS = itertools.count()  # region ids, unique in the server: a stale release frees nothing
 
 
@@ -70,8 +73,8 @@ class SessionSlabs:
         max_slabs: slabs at most, in use and free together.
     """
 
-    def __init__(self, folder: str, tag: str, max_slabs: int) -> None:
-        self.folder, self.tag, self.max_slabs = folder, tag, max_slabs
+    def __init__(self, folder: str, tag: str, max_slabs: int, keep_free: float = KEEP_FREE) -> None:
+        self.folder, self.tag, self.max_slabs, self.keep_free = folder, tag, max_slabs, keep_free
         self.placed = 0  # batches placed in shared memory
         self.built_in_place = 0  # of which gathered there to begin with (nothing copied)
         self.passed = 0  # batches that found no room and went over the socket
@@ -234,6 +237,15 @@ class SessionSlabs:
         name = f"slab-{self.tag}-{n}"
         path = os.path.join(self.folder, name)
         size = max(GRAIN, -(-need // GRAIN) * GRAIN)
+        try:
+            fs = os.statvfs(self.folder)
+        except OSError as exc:
+            return self._refuse(path, size, exc)
+        free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
+        if free - size < self.keep_free * total:
+            return self._refuse(path, size, OSError(
+                f"it would leave {max(0, free - size) >> 20} MB of the {total >> 20} MB there free, under "
+                f"{self.keep_free:.0%}"))
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
