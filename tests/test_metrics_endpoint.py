@@ -34,6 +34,10 @@ def test_scrape_counts_what_clients_received(sample_dataset: Path, start_serve) 
     assert batches == 80  # 8000 train rows in batches of 100
     assert after[("fuelline_batches_sent_total", ())] >= batches
     assert after[("fuelline_sent_bytes_total", ())] >= nbytes
+    # A client on the server's host reads its batches from shared memory, when /dev/shm can hold them.
+    from fuelline.server.serving.local_ipc import default_base, on_memory_fs
+    shared = after[("fuelline_batches_shared_total", ())]
+    assert shared >= batches - 2 * 4 - 1 if on_memory_fs(default_base()) else shared == 0
     assert after[("fuelline_cache_misses_total", (("tier", "memory"),))] >= batches
     assert after[("fuelline_workers_configured", ())] == 0
     assert after[("fuelline_malformed_messages_total", ())] == 0

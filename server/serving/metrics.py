@@ -25,7 +25,9 @@ log = logging.getLogger("fuelline.server")
 # Counters of Server.counters() exported as they are: (counter name, metric name, help).
 PLAIN_COUNTERS = (
     ("batches", "fuelline_batches_sent", "Batches sent to clients."),
-    ("bytes", "fuelline_sent_bytes", "Bytes of array frames sent to clients."),
+    ("bytes", "fuelline_sent_bytes", "Bytes of the arrays of the batches sent to clients."),
+    ("batches_shared", "fuelline_batches_shared",
+     "Batches placed in shared memory for clients on the server's host (also in fuelline_batches_sent)."),
     ("sessions", "fuelline_sessions", "Client sessions opened (a reconnect opens a new one)."),
     ("dropped_silent", "fuelline_clients_dropped_silent", "Clients dropped after three silent heartbeat intervals."),
     ("malformed", "fuelline_malformed_messages", "Malformed messages received (each answered with an error or dropped)."),
