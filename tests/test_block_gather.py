@@ -241,3 +241,45 @@ def test_a_block_behind_the_gathers_is_let_go_before_the_next_is_built() -> None
             reader.close()
     finally:
         source.close()
+
+
+def test_large_rows_are_gathered_alike_row_by_row_and_by_fancy_indexing() -> None:
+    from numpy.lib.stride_tricks import sliding_window_view
+
+    from fuelline.server.sources.block_reader import ROW_BY_ROW_BYTES, _gather_rows
+
+    grid = np.arange(4000 * 14, dtype=np.float32).reshape(4000, 14)
+    windows = sliding_window_view(grid, 256, axis=0)[::128].transpose(0, 2, 1)  # overlapping views, 14 KB rows
+    assert windows[0].nbytes >= ROW_BY_ROW_BYTES
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, len(windows), 20)
+    dest = rng.permutation(32)[:20]
+    one, other = np.zeros((32, 256, 14), np.float32), np.zeros((32, 256, 14), np.float32)
+    _gather_rows(one, dest, windows, src, row_by_row=True)
+    _gather_rows(other, dest, windows, src, row_by_row=False)
+    np.testing.assert_array_equal(one, other)
+    np.testing.assert_array_equal(one[dest], windows[src])
+
+
+def test_gathering_counts_the_threads_gathering_at_once() -> None:
+    import threading
+
+    from fuelline.server.sources.buffers import gathering
+
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def other() -> None:
+        with gathering():
+            inside.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert inside.wait(10)
+    with gathering() as now:
+        seen.append(now)
+    release.set()
+    thread.join(10)
+    with gathering() as now:
+        seen.append(now)
+    assert seen == [2, 1]

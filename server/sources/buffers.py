@@ -14,12 +14,14 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["empty", "allocating", "Allocator"]
+__all__ = ["empty", "allocating", "Allocator", "gathering"]
 
 # (shapes and dtypes of the arrays of one gather) → the arrays, all in one place, or None for np.empty.
 Allocator = Callable[[Sequence[tuple[tuple[int, ...], np.dtype]]], "list[np.ndarray] | None"]
 
 _state = threading.local()
+_gathering = 0  # threads inside a gather now (see gathering)
+_gathering_lock = threading.Lock()
 
 
 def empty(specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
@@ -41,3 +43,21 @@ def allocating(alloc: Allocator | None) -> Iterator[None]:
         yield
     finally:
         _state.alloc = before
+
+
+@contextmanager
+def gathering() -> Iterator[int]:
+    """Count this thread among the threads gathering now; yields how many there are, itself
+    included. A server's sessions gather on threads of their own, which contend for the
+    interpreter lock: a gather that would release it once a row, not once a column, costs them
+    more in hand-offs than it saves in copies (8 clients on 2 cores: 12.6 against 16.3 k windows/s;
+    one client: 36.8 against 34.4 k)."""
+    global _gathering
+    with _gathering_lock:
+        _gathering += 1
+        now = _gathering
+    try:
+        yield now
+    finally:
+        with _gathering_lock:
+            _gathering -= 1
