@@ -362,3 +362,15 @@ def test_no_slab_is_made_that_would_leave_its_file_system_short(tmp_path: Path, 
     roomy = SessionSlabs(str(tmp_path), "bb", 4, keep_free=0.0)
     assert roomy.place({"x": np.arange(10)}) is not None
     roomy.close()
+
+
+def test_one_array_served_under_two_names_is_placed_as_two(tmp_path: Path) -> None:
+    slabs = SessionSlabs(str(tmp_path), "aa", 4, keep_free=0)
+    (x,) = slabs.carve([((8, 4), np.dtype("<f4"))])
+    x[...] = np.arange(32, dtype=np.float32).reshape(8, 4)
+    metas, placement = slabs.place({"a": x, "b": x[:4]})  # overlapping memory in the slab
+    Placement.from_wire(placement.to_wire(), metas)  # what a client checks: no overlap
+    assert slabs.built_in_place == 0 and slabs.placed == 1
+    metas, placement = slabs.place({"a": x[:4], "b": x[4:]})  # disjoint: placed where they lie
+    assert slabs.built_in_place == 1
+    slabs.close()

@@ -175,6 +175,11 @@ class SessionSlabs:
             if not a.flags.c_contiguous or not 0 <= at <= slab.size - a.nbytes or at % max(1, a.itemsize):
                 return None, []
             offsets.append(at)
+        # Two names for the same memory (a source that serves one array twice) are copied apart:
+        # a client refuses overlapping arrays.
+        spans = sorted(zip(offsets, (a.nbytes for _, a in values)))
+        if any(at + n > nxt for (at, n), (nxt, _) in zip(spans, spans[1:])):
+            return None, []
         return slab, offsets
 
     def _lay(self, stream: str, sizes: list[int]) -> tuple[_Slab, list[int]] | None:
