@@ -1,5 +1,5 @@
 """Leaf helpers that every side shares: HOST:PORT parsing, CURVE key files, logging setup,
-argparse types and atomic directory writes.
+argparse types, atomic directory writes, and which folders are in memory.
 
 They import no other fuelline package beyond ``fuelline.protocol``'s errors, open no sockets and
 start no threads, so the client, the trainer and the server may all import them without pulling

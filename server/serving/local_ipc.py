@@ -26,6 +26,8 @@ import socket
 import stat
 import tempfile
 
+from fuelline.protocol.common.memfs import SHM, on_memory_fs, writable_shm
+
 __all__ = ["LocalSocketDir", "sweep_stale_dirs", "PREFIX", "default_base", "on_memory_fs"]
 
 log = logging.getLogger("fuelline.server")
@@ -36,37 +38,12 @@ TOKEN = SOCKET + ".token"
 LOCK = "server.lock"
 
 
-SHM = "/dev/shm"
-MEMORY_FILE_SYSTEMS = frozenset({"tmpfs", "ramfs"})
-
-
 def default_base() -> str:
     """Where socket folders go: ``$TMPDIR`` if set, else /dev/shm if this user may write there,
     else the temporary directory."""
-    if not os.environ.get("TMPDIR") and os.path.isdir(SHM) and os.access(SHM, os.W_OK | os.X_OK):
+    if not os.environ.get("TMPDIR") and writable_shm():
         return SHM
     return tempfile.gettempdir()
-
-
-def on_memory_fs(path: str) -> bool:
-    """Whether ``path`` lies on a file system in memory (tmpfs, ramfs), by /proc/self/mountinfo:
-    the mount point that is the longest prefix of its real path decides."""
-    real = os.path.realpath(path)
-    best, fstype = -1, ""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if " - " not in line or len(fields) < 5:
-                    continue
-                point = fields[4].replace("\\040", " ")
-                after = line.split(" - ", 1)[1].split()
-                inside = real == point or real.startswith(point.rstrip("/") + "/")
-                if after and inside and len(point) >= best:
-                    best, fstype = len(point), after[0]
-    except OSError:
-        return False
-    return fstype in MEMORY_FILE_SYSTEMS
 
 
 class LocalSocketDir:

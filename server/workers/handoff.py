@@ -42,6 +42,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from fuelline.protocol.common.memfs import SHM, writable_shm
+
 __all__ = [
     "ALIGN", "PREFIX", "ENV_DIR", "Layout", "Incarnation", "shm_dir", "shm_size", "write_arrays", "map_arrays",
     "unlink", "sweep_dead", "remove_if_dead",
@@ -65,8 +67,8 @@ def shm_dir() -> str:
     configured = os.environ.get(ENV_DIR)
     if configured:
         return configured
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
-        return "/dev/shm"
+    if writable_shm():
+        return SHM
     return tempfile.gettempdir()
 
 
@@ -75,7 +77,7 @@ def shm_size() -> int | None:
     is often 64 MB); None for a directory on disk. A mapped file keeps its space until its arrays
     are gone, unlinked or not."""
     directory = shm_dir()
-    if directory != "/dev/shm":
+    if directory != SHM:
         return None
     try:
         st = os.statvfs(directory)
