@@ -256,8 +256,8 @@ def test_a_placement_past_the_end_of_its_slab_is_refused(tmp_path: Path) -> None
 
 def test_a_session_frees_only_the_regions_it_lent(tmp_path: Path) -> None:
     mine, other = SessionSlabs(str(tmp_path), "aa", 4, keep_free=0), SessionSlabs(str(tmp_path), "bb", 4, keep_free=0)
-    _, placed = mine.place({"x": np.arange(10)})
-    _, theirs = other.place({"x": np.arange(10)})
+    placed = mine.place({"x": np.arange(10)}).placement
+    theirs = other.place({"x": np.arange(10)}).placement
     mine.release((theirs.region, 10**12))  # another session's region, and one never lent
     assert mine.lent == 1 and other.lent == 1
     mine.release((placed.region,))
@@ -368,9 +368,22 @@ def test_one_array_served_under_two_names_is_placed_as_two(tmp_path: Path) -> No
     slabs = SessionSlabs(str(tmp_path), "aa", 4, keep_free=0)
     (x,) = slabs.carve([((8, 4), np.dtype("<f4"))])
     x[...] = np.arange(32, dtype=np.float32).reshape(8, 4)
-    metas, placement = slabs.place({"a": x, "b": x[:4]})  # overlapping memory in the slab
+    metas, placement, in_place = slabs.place({"a": x, "b": x[:4]})  # overlapping memory in the slab
     Placement.from_wire(placement.to_wire(), metas)  # what a client checks: no overlap
-    assert slabs.built_in_place == 0 and slabs.placed == 1
-    metas, placement = slabs.place({"a": x[:4], "b": x[4:]})  # disjoint: placed where they lie
+    assert not in_place and slabs.built_in_place == 0 and slabs.placed == 1
+    assert slabs.place({"a": x[:4], "b": x[4:]}).in_place  # disjoint: placed where they lie
     assert slabs.built_in_place == 1
     slabs.close()
+
+
+def test_the_memory_tier_keeps_no_batch_built_in_a_slab(server: Server) -> None:
+    # A slab is written again once its client lets a batch go: a batch built there, kept for a
+    # reconnect, would be served changed.
+    with stream(server, client_id="kept") as s:
+        for _ in range(2):
+            for _ in s.get_epoch_iterator():
+                pass
+        (session,) = server.sessions.values()
+        assert session.slabs is not None and session.slabs.built_in_place > 100
+        kept = [entry[0] for c in server.recent._clients.values() for entry in c.batches.values()]
+        assert not any(session.slabs.holds(arrays) for arrays in kept)

@@ -219,11 +219,11 @@ class Session:
                 return None
         return arrays
 
-    def _remember(self, epoch: int, seq: int, arrays: dict[str, Any], frames: list[Any]) -> None:
+    def _remember(self, epoch: int, seq: int, arrays: dict[str, Any], frames: list[Any], keepable: bool) -> None:
         recent = self._recent
         if recent is None:
             return
-        if self.slabs is not None and self.slabs.holds(arrays):
+        if not keepable:
             recent.misses += 1  # (built in a slab, which is used again once the client lets it go)
             return
         if not self._immutable and (not self._checksum or len(frames) == 1):
@@ -257,17 +257,21 @@ class Session:
         finally:
             batches.close()
 
-    def _encode(self, batch: Batch) -> tuple[list[Any], int]:
-        """A batch's frames, placed in shared memory where this session can, and its bytes."""
+    def _encode(self, batch: Batch) -> tuple[list[Any], int, bool]:
+        """A batch's frames, placed in shared memory where this session can; its bytes; and
+        whether its arrays are the producer's to keep (not built in a slab, which is used again
+        once the client lets it go)."""
         if self.slabs is not None:
             placed = self.slabs.place(batch.arrays)
             if placed is not None:
-                metas, placement = placed
-                return encode_placed(batch, metas, placement), sum(m.nbytes for m in metas)
-            if self.slabs.holds(batch.arrays):  # (a slab may be reused once the socket has it: copy)
-                batch = Batch(batch.stream, batch.epoch, batch.seq, {k: np.array(v) for k, v in batch.arrays.items()})
+                nbytes = sum(m.nbytes for m in placed.metas)
+                return encode_placed(batch, placed.metas, placed.placement), nbytes, not placed.in_place
+            if self.slabs.holds(batch.arrays):  # (the slab may be reused once the socket has it: copy)
+                copies = {k: np.array(v) for k, v in batch.arrays.items()}
+                frames = encode(Batch(batch.stream, batch.epoch, batch.seq, copies), checksum=self._checksum)
+                return frames, sum(memoryview(f).nbytes for f in frames[1:]), False
         frames = encode(batch, checksum=self._checksum)
-        return frames, sum(memoryview(f).nbytes for f in frames[1:])
+        return frames, sum(memoryview(f).nbytes for f in frames[1:]), True
 
     def _produce(self) -> None:
         h = self.hello
@@ -282,11 +286,11 @@ class Session:
                     batches = self._batches(epoch, cursor)
                     try:
                         for arrays, fresh in batches:
-                            frames, nbytes = self._encode(Batch(h.stream, epoch, seq, arrays))
+                            frames, nbytes, keepable = self._encode(Batch(h.stream, epoch, seq, arrays))
                             if not self._put(("batch", frames, nbytes)):
                                 return  # (stopped: a client that left or was replaced is not remembered)
                             if fresh:
-                                self._remember(epoch, seq, arrays, frames)
+                                self._remember(epoch, seq, arrays, frames, keepable)
                             seq += 1
                     finally:
                         batches.close()

@@ -35,20 +35,29 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from fuelline.protocol import WIRE_DTYPES, ArrayMeta
 from fuelline.protocol.placement import ALIGN, Placement, layout
 
-__all__ = ["SessionSlabs"]
+__all__ = ["SessionSlabs", "Placed"]
 
 log = logging.getLogger("fuelline.server")
 
 GRAIN = 1 << 20  # slab sizes are rounded up to this
 KEEP_FREE = 0.25  # of the slab folder's file system, left free by new slabs
 _REGIONS = itertools.count()  # region ids, unique in the server: a stale release frees nothing
+
+
+class Placed(NamedTuple):
+    """A batch lent to the client: its arrays' header entries, where they lie, and whether they
+    were built there (so they are not the producer's to keep: the slab is reused once released)."""
+
+    metas: list[ArrayMeta]
+    placement: Placement
+    in_place: bool
 
 
 @dataclass(eq=False)
@@ -97,13 +106,14 @@ class SessionSlabs:
         slab, offsets = got
         return [np.ndarray(shape, dtype, buffer=slab.map, offset=at) for (shape, dtype), at in zip(specs, offsets)]
 
-    def place(self, arrays: Mapping[str, Any]) -> tuple[list[ArrayMeta], Placement] | None:
+    def place(self, arrays: Mapping[str, Any]) -> Placed | None:
         """The arrays' header entries and placement, lent to the client until it releases them:
         where they lie already, or copied into a slab. None where they must go over the socket."""
         values = [(name, np.asarray(a)) for name, a in arrays.items()]
         if any(a.dtype.str not in WIRE_DTYPES for _, a in values):
             return None  # (big-endian or unservable: encode converts it, or says why)
         slab, offsets = self._where(values)
+        got_room = slab is None
         if slab is None:
             got = self._lay("copy", [a.nbytes for _, a in values])
             if got is None:
@@ -112,8 +122,7 @@ class SessionSlabs:
             slab, offsets = got
             for (_, a), at in zip(values, offsets):
                 np.copyto(np.ndarray(a.shape, a.dtype, buffer=slab.map, offset=at), a, casting="no")
-        else:
-            self.built_in_place += 1
+        in_place = not got_room
         region = next(_REGIONS)
         with self._lock:
             if self._closed:
@@ -121,8 +130,9 @@ class SessionSlabs:
             slab.regions.add(region)
             self._lent[region] = slab
         self.placed += 1
+        self.built_in_place += in_place
         metas = [ArrayMeta(name, a.dtype.str, tuple(int(d) for d in a.shape), int(a.nbytes), None) for name, a in values]
-        return metas, Placement(slab.name, region, tuple(offsets))
+        return Placed(metas, Placement(slab.name, region, tuple(offsets)), in_place)
 
     def holds(self, arrays: Mapping[str, Any]) -> bool:
         """Whether any of these arrays lies in one of the slabs (memory the client may be lent)."""
