@@ -387,3 +387,73 @@ def test_the_memory_tier_keeps_no_batch_built_in_a_slab(server: Server) -> None:
         assert session.slabs is not None and session.slabs.built_in_place > 100
         kept = [entry[0] for c in server.recent._clients.values() for entry in c.batches.values()]
         assert not any(session.slabs.holds(arrays) for arrays in kept)
+
+
+def test_a_remote_peer_that_asks_for_shared_memory_gets_its_batches_on_the_wire(
+    server: Server, zmq_context
+) -> None:
+    from fuelline.protocol import Batch, Hello
+
+    from support.raw_client import RawClient
+
+    # Over TCP the server cannot tell a peer on its host from one elsewhere: a Hello that asks
+    # for shared memory is a lie it does not believe.
+    client = RawClient(zmq_context, server.endpoint.removeprefix("tcp://"))
+    client.send(Hello("liar", credit=2, heartbeat=5.0, shm=True))
+    assert client.recv().TYPE == "welcome"
+    batch = client.recv()  # (RawClient decodes without a place: a placed batch would be refused)
+    assert isinstance(batch, Batch) and batch.checksum == "xxh3_64" and len(batch.arrays["sample_id"]) == 100
+    assert server.stats["batches_shared"] == 0
+
+
+def test_a_server_restarted_without_shared_memory_goes_on_through_the_socket(
+    sample_dataset: Path, start_serve
+) -> None:
+    if not on_memory_fs(default_base()):
+        pytest.skip(f"socket folders go to {default_base()}, which is not in memory: no shared memory here")
+    args = ("--batch-size", "100", "--seed", "3")
+    first = start_serve(sample_dataset, *args)
+    with ServerDataStream(("sample_id",), endpoints=[first.endpoint], timeout=TIMEOUT, local=False) as s:
+        want = [b[0].tolist() for b in s.get_epoch_iterator()]
+    with ServerDataStream(("sample_id",), endpoints=[first.endpoint], timeout=TIMEOUT, heartbeat=0.2, hwm=2) as s:
+        it = s.get_epoch_iterator()
+        got = [next(it)[0] for _ in range(30)]
+        assert all(placed(a) for a in got)
+        held = [a.copy() for a in got]
+        first.kill()  # mid-epoch; the next server keeps every batch on the socket
+        start_serve(sample_dataset, *args, "--no-shared-memory", "--port", first.endpoint.rpartition(":")[2])
+        rest = list(it)
+    assert [a.tolist() for a in got] == [a.tolist() for a in held]  # what was held, unchanged
+    assert [a.tolist() for a in got] + [a[0].tolist() for a in rest] == want
+    assert not any(placed(a[0]) for a in rest)
+
+
+def test_the_slabs_of_a_client_killed_mid_stream_are_removed(server: Server, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "reader.py"
+    script.write_text(
+        "import sys\n"
+        "from fuelline.client import ServerDataStream\n"
+        f"s = ServerDataStream(('sample_id',), endpoints=[{server.endpoint.removeprefix('tcp://')!r}], heartbeat=0.2)\n"
+        "held = []\n"
+        "for b in s.get_epoch_iterator():\n"
+        "    held.append(b)\n"
+        "    if len(held) == 5:\n"
+        "        print('holding', flush=True)\n"
+        "        sys.stdin.read()\n"
+    )
+    reader = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "holding"
+        wait_until(lambda: slab_files(server) != [], TIMEOUT, "the reader's session made slabs")
+        reader.send_signal(signal.SIGKILL)
+        reader.wait(TIMEOUT)
+        wait_until(lambda: not server.sessions, TIMEOUT, "the server dropped the silent reader")
+        assert slab_files(server) == []
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait(TIMEOUT)
