@@ -425,7 +425,10 @@ def test_a_server_restarted_without_shared_memory_goes_on_through_the_socket(
         rest = list(it)
     assert [a.tolist() for a in got] == [a.tolist() for a in held]  # what was held, unchanged
     assert [a.tolist() for a in got] + [a[0].tolist() for a in rest] == want
-    assert not any(placed(a[0]) for a in rest)
+    # At most hwm (2) of them had arrived from the first server before it died, in shared memory
+    # still readable; every one after came through the socket.
+    from_first = [placed(a[0]) for a in rest]
+    assert not any(from_first[2:]) and sum(from_first) <= 2
 
 
 def test_the_slabs_of_a_client_killed_mid_stream_are_removed(server: Server, tmp_path: Path) -> None:
