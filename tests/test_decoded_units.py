@@ -113,6 +113,49 @@ def test_a_failed_decode_is_not_kept() -> None:
     assert len(attempts) == 2
 
 
+def test_a_pool_shutting_down_while_a_unit_is_asked_for_does_not_deadlock() -> None:
+    """A pool that cancels its queue on shutdown runs the cancelled futures' callbacks under its
+    own lock; the cache's callback takes the cache's lock. Asking for a unit while that happens
+    must not hold the cache's lock across the pool's submit, or the two wait for each other."""
+    units = DecodedUnits(1 << 20, Counts())
+    pool = ThreadPoolExecutor(1)
+    busy, release = threading.Event(), threading.Event()
+    pool.submit(lambda: (busy.set(), release.wait(TIMEOUT)))  # the only worker: later ones queue
+    assert busy.wait(TIMEOUT)
+    queued = units.get("a", lambda: pool.submit(lambda: {"x": np.zeros(2)}))
+    asking, go_on = threading.Event(), threading.Event()
+    outcome: list[BaseException | Future] = []
+
+    def decode_b() -> Future:
+        asking.set()  # inside get("b"), before the submit
+        assert go_on.wait(TIMEOUT)
+        return pool.submit(lambda: {"x": np.ones(2)})
+
+    def ask_b() -> None:
+        try:
+            outcome.append(units.get("b", decode_b))
+        except BaseException as exc:  # (the pool was shut down meanwhile: submit refuses)
+            outcome.append(exc)
+
+    asker = threading.Thread(target=ask_b, daemon=True)
+    asker.start()
+    assert asking.wait(TIMEOUT)
+    stopper = threading.Thread(target=lambda: pool.shutdown(wait=False, cancel_futures=True), daemon=True)
+    stopper.start()
+    stopper.join(TIMEOUT)
+    go_on.set()
+    asker.join(TIMEOUT)
+    release.set()
+    assert not stopper.is_alive(), "the pool's shutdown waited for the cache's lock, held across a submit"
+    assert not asker.is_alive(), "asking for a unit never returned"
+    assert queued.cancelled()
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError)  # refused after shutdown, not hung
+    # Neither the cancelled unit nor the refused one is kept: both are decoded when asked again.
+    with ThreadPoolExecutor(1) as again:
+        for key in ("a", "b"):
+            assert units.get(key, lambda: again.submit(lambda: {"x": np.full(2, 7.0)})).result(TIMEOUT)["x"].tolist() == [7.0, 7.0]
+
+
 # -- through a source ----------------------------------------------------------------------------
 def test_ranks_of_a_job_decode_each_unit_once_an_epoch() -> None:
     shared = CountingUnits(units=8, rows=10)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Callable, Hashable
 
 import numpy as np
@@ -23,6 +23,19 @@ import numpy as np
 from fuelline.server.sources.counters import Counts
 
 __all__ = ["DecodedUnits", "held_bytes"]
+
+
+def _pass_on(work: Future, slot: Future) -> None:
+    """A decode's outcome, onto the future the readers were given (unless they cancelled it)."""
+    try:
+        if work.cancelled():
+            slot.cancel()
+        elif (exc := work.exception()) is not None:
+            slot.set_exception(exc)
+        else:
+            slot.set_result(work.result())
+    except InvalidStateError:
+        pass  # cancelled by a reader meanwhile
 
 
 def held_bytes(arrays: dict) -> int:
@@ -70,19 +83,37 @@ class DecodedUnits:
             return len(self._units)
 
     def get(self, key: Hashable, decode: Callable[[], Future]) -> Future:
-        """The future of unit ``key``: the one kept or in flight, else ``decode()``'s."""
+        """The future of unit ``key``: the one kept or in flight, else one that ``decode()``'s
+        result is passed on to. Cancelling it cancels the decode, if that has not started.
+
+        ``decode()`` (a pool's submit) is called without the lock held: a thread pool that shuts
+        down cancels its queued futures under its own lock, and their callbacks take this one.
+
+        Raises:
+            whatever ``decode()`` raises (a pool already shut down); the unit is not kept.
+        """
         with self._lock:
-            future = self._units.get(key)
-            if future is not None and not future.cancelled():
+            kept = self._units.get(key)
+            if kept is not None and not kept.cancelled():
                 self._units.move_to_end(key)
                 self.counters.add("cache_decoded_hits")
-                return future
-            future = decode()
-            self._units[key] = future
+                return kept
+            slot: Future = Future()
+            self._units[key] = slot
             self._units.move_to_end(key)
             self.counters.add("cache_decoded_misses")
-        future.add_done_callback(lambda f: self._finished(key, f))
-        return future
+        try:
+            work = decode()
+        except BaseException as exc:
+            with self._lock:
+                if self._units.get(key) is slot:
+                    del self._units[key]
+            slot.set_exception(exc)  # (for any reader that was handed the slot meanwhile)
+            raise
+        slot.add_done_callback(lambda f: self._finished(key, f))
+        slot.add_done_callback(lambda f: work.cancel() if f.cancelled() else None)
+        work.add_done_callback(lambda w: _pass_on(w, slot))
+        return slot
 
     def _finished(self, key: Hashable, future: Future) -> None:
         failed = future.cancelled() or future.exception() is not None
