@@ -133,6 +133,9 @@ class Server(Listener):
         # Sessions whose peer was gone when a send reached it: dropped once what it sent last
         # (a Bye, say, queued before its connection closed) has been read.
         self._vanished: dict[bytes, Session] = {}
+        # Dropped sessions whose producer thread may still be finishing a batch: shutdown waits
+        # for them too, before the source they read from is closed.
+        self._retired: list[Session] = []
         # The memory tier: the last K batches sent to each client, plus the up to hwm prepared
         # ahead of them (held anyway), so a client that lost its in-flight batches gets them again.
         self.recent = RecentBatches(memory_cache + hwm) if memory_cache else None
@@ -391,6 +394,9 @@ class Server(Listener):
         if self.sessions.get(session.routing_id) is session:
             del self.sessions[session.routing_id]
         session.stop()
+        self._retired = [s for s in self._retired if s.producer_alive]
+        if session.producer_alive:
+            self._retired.append(session)
         log.log(level, "client %s dropped: %s; its buffers are freed", session.name, why)
 
     def _shutdown(self, reason: str) -> None:
@@ -399,11 +405,13 @@ class Server(Listener):
             self._send(session.routing_id, bye)
             session.stop()
         # One deadline for all: joined one after another, each with its own timeout, a server
-        # with many sessions would take minutes to stop.
+        # with many sessions would take minutes to stop. Those of clients that left already are
+        # joined too: a producer still running would meet its source closed under it.
         deadline = time.monotonic() + SHUTDOWN_JOIN
-        for session in list(self.sessions.values()):
+        for session in [*self.sessions.values(), *self._retired]:
             session.join(max(0.0, deadline - time.monotonic()))
         self.sessions.clear()
+        self._retired.clear()
         self._close()
         counts = {k: v for k, v in self.counters().items() if v}
         log.info("server stopped: %s; totals: %s", reason, ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none")

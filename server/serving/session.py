@@ -109,6 +109,11 @@ class Session:
         """Whether the producer thread was started (the client granted credit)."""
         return self._thread is not None
 
+    @property
+    def producer_alive(self) -> bool:
+        """Whether the producer thread is still running (it may, for a moment, after ``stop``)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> None:
         """Start preparing batches if the client has granted credit; else the first ``grant``
         that leaves credit does.
@@ -305,6 +310,9 @@ class Session:
             log.error("in %s, epoch %d: %s", where, epoch, exc)
             self._put(("error", encode(Error(ErrorCode.DATA, f"in {where}, epoch {epoch}: {exc}")), 0))
         except Exception as exc:  # a bug: report it to the client with its place, keep serving others
+            if self._stopped:  # (its client is gone, and at shutdown its source may be closing under it)
+                log.debug("in %s, epoch %d, after it stopped", where, epoch, exc_info=True)
+                return
             log.exception("in %s, epoch %d", where, epoch)
             tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
             self._put(("error", encode(Error(ErrorCode.INTERNAL, f"in {where}, epoch {epoch}: {tb}")), 0))
