@@ -53,8 +53,9 @@ def servers(tmp_path: Path) -> Iterator[list[ServerProcess]]:
     """Every server process a test starts; all are stopped at teardown."""
     started: list[ServerProcess] = []
     yield started
-    for server in started:
-        server.close()
+    ignored = [server for server in started if not server.close()]
+    assert not ignored, "servers that ignored SIGTERM and were killed: " + "; ".join(
+        f"{' '.join(s.args[3:5])}: {s.log_path.read_text()[-2000:]}" for s in ignored)
 
 
 @pytest.fixture

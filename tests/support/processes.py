@@ -130,15 +130,19 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait(10)
 
-    def close(self, timeout: float = STOP_DEADLINE) -> None:
-        """Stop as an operator would: SIGTERM, then SIGKILL if the server outlives ``timeout``."""
+    def close(self, timeout: float = STOP_DEADLINE) -> bool:
+        """Stop as an operator would: SIGTERM, then SIGKILL if the server outlives ``timeout``.
+        Returns False if it had to be killed (a server that ignores SIGTERM is a bug)."""
+        stopped = True
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                stopped = False
                 self.kill()
         self._reader.join(5.0)  # (the pipe ends with the process)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._log.close()
+        return stopped
