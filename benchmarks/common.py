@@ -53,9 +53,16 @@ class Round:
     producer_cpu_s: float | None  # the sending process over the same span; None if in-process
 
 
-def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | None = None) -> Round:
+def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Sequence[int] | None = None) -> Round:
     """Consume a stream of batches (tuples of arrays whose first axis is rows), touching one
-    element of every array so that nothing is merely passed along unread, and time it."""
+    element of every array so that nothing is merely passed along unread, and time it.
+    ``producer_pid``: the sending process, or processes (their CPU is added up)."""
+    pids = [] if producer_pid is None else [producer_pid] if isinstance(producer_pid, int) else list(producer_pid)
+
+    def producers_cpu() -> float | None:
+        seconds = [process_cpu_seconds(pid) for pid in pids]
+        return None if not pids or None in seconds else sum(seconds)  # type: ignore[arg-type]
+
     first = last = None
     cpu0 = prod0 = None
     count = rows = nbytes = 0
@@ -68,7 +75,7 @@ def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | No
         if first is None:
             first = now
             cpu0 = time.process_time()
-            prod0 = process_cpu_seconds(producer_pid) if producer_pid is not None else None
+            prod0 = producers_cpu()
             continue
         last = now
         rows += len(batch[0])
@@ -76,7 +83,7 @@ def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | No
     if first is None or last is None or last <= first:
         raise RuntimeError(f"a pass needs at least two batches to be timed, got {count}")
     cpu1 = time.process_time()
-    prod1 = process_cpu_seconds(producer_pid) if producer_pid is not None else None
+    prod1 = producers_cpu()
     producer = prod1 - prod0 if prod0 is not None and prod1 is not None else None
     return Round(count, rows, nbytes, last - first, cpu1 - cpu0, producer)  # type: ignore[operator]
 

@@ -28,7 +28,7 @@ import sys
 import tempfile
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -53,6 +53,10 @@ DL_WORKERS = (0, 1, 2)
 
 SERVED, IN_PROCESS = "fuelline serve", "in-process WindowSource"
 SERVED_KEPT = "fuelline serve, decoded units kept"
+# Two server processes on the host, one client reading from both (``endpoints=[a, b]``: batch k
+# from server k mod 2): a server process prepares batches on one core at most (Python's lock), so
+# a host that has cores to spare feeds a client faster from two.
+SERVED_TWO = "fuelline serve ×2"
 
 
 def sizes(quick: bool) -> dict[str, Any]:
@@ -192,11 +196,14 @@ def in_process_round(source: WindowSource, epoch: list[int], epochs: int) -> Rou
     return time_batches(batches())
 
 
-def served_round(server: ServerProcess, epochs: int) -> Round:
-    with ServerDataStream(None, host=server.host, port=server.port, hwm=HWM, timeout=TIMEOUT_S,
+def served_round(server: ServerProcess | Sequence[ServerProcess], epochs: int) -> Round:
+    """One client reads ``epochs`` epochs from a server, or from several (each serves its part
+    of every batch order: ``ServerDataStream(endpoints=...)``), all their CPU counted."""
+    servers = [server] if isinstance(server, ServerProcess) else list(server)
+    with ServerDataStream(None, endpoints=[f"{s.host}:{s.port}" for s in servers], hwm=HWM, timeout=TIMEOUT_S,
                           receive_timeout=TIMEOUT_S) as stream:
         batches = itertools.chain.from_iterable(stream.get_epoch_iterator() for _ in range(epochs))
-        return time_batches(batches, producer_pid=server.pid)
+        return time_batches(batches, producer_pid=[s.pid for s in servers])
 
 
 def _checked(r: Round, windows: int, who: str, batch_size: int) -> Round:
@@ -227,6 +234,8 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
                 "--hwm", str(HWM), "--seed", str(SEED), "--shuffle-block", str(BLOCK_UNITS), "--status-interval", "0"]
         server = stack.enter_context(ServerProcess(SERVED, [*argv, "--decoded-cache-mb", "0"], Path(logs) / "serve.log"))
         kept = stack.enter_context(ServerProcess(SERVED_KEPT, argv, Path(logs) / "serve-kept.log"))
+        second = stack.enter_context(ServerProcess(f"{SERVED_TWO} (second)", [*argv, "--decoded-cache-mb", "0"],
+                                                   Path(logs) / "serve-second.log"))
         loaders = {w: make_dataloader(dataset, bs, w) for w in DL_WORKERS}
         for loader in loaders.values():
             stack.callback(close_dataloader, loader)
@@ -234,6 +243,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         contenders = [
             Contender(SERVED, lambda: _checked(served_round(server, epochs), delivered, SERVED, bs)),
             Contender(SERVED_KEPT, lambda: _checked(served_round(kept, epochs), delivered, SERVED_KEPT, bs)),
+            Contender(SERVED_TWO, lambda: _checked(served_round([server, second], epochs), delivered, SERVED_TWO, bs)),
             Contender(IN_PROCESS, lambda: _checked(in_process_round(source, epoch, epochs), delivered, IN_PROCESS, bs)),
             *(Contender(dataloader_name(w), lambda w=w: _checked(dataloader_round(loaders[w], epochs), delivered,
                                                                dataloader_name(w), bs)) for w in DL_WORKERS),
@@ -242,7 +252,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         mbs = Metric("MB/s", lambda r: r.bytes / r.seconds / 1e6, "{:,.0f}")
         results = alternate(contenders, rounds, lambda r: f"{wps.of(r):,.0f} windows/s")
         stack.close()
-        exits = {SERVED: server.exit_status, SERVED_KEPT: kept.exit_status}
+        exits = {SERVED: server.exit_status, SERVED_KEPT: kept.exit_status, f"{SERVED_TWO} (second)": second.exit_status}
     medians = {name: statistics.median(wps.of(r) for r in rs) for name, rs in results.items()}
     best_dl = max((dataloader_name(w) for w in DL_WORKERS), key=medians.__getitem__)
     served_over_ref = medians[SERVED] / REFERENCE_WINDOWS_PER_S
@@ -266,6 +276,12 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         "after its warm-up pass, so its rounds gather, encode and send but decode nothing: what a long-running "
         "server gives from its second epoch on when the decoded data set fits its memory. Not like for like; "
         "the targets are judged on fuelline serve.",
+        f"{SERVED_TWO}: the fuelline serve process above and a second one like it (every epoch decoded) on this "
+        "host, read by one ServerDataStream(endpoints=[both]): batch k comes from server k mod 2, each serving its "
+        "part of the epoch (so each decodes every recording). One server prepares a client's batches on one "
+        "thread of one process, which Python's interpreter lock keeps near one core whatever the host has; "
+        "this is what a host with cores to spare gets by running two (`--servers host:a,host:b` for a trainer). "
+        "Server CPU is both processes'.",
         "DataLoader: IterableDataset over recordings calling WindowSource.windows and finish_batch (the same "
         "alignment, normalisation and cast), batch_size=None, the source built in each worker by worker_init_fn, "
         "persistent workers, pin_memory off, prefetch_factor 2; batches arrive as tensors (zero-copy to numpy).",
@@ -276,8 +292,9 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
     ]
     record, md = build_report(
         "pipeline", f"pipeline — aligned AMIGOS windows delivered to a consumer ({size['recordings']} recordings)",
-        results, [wps, mbs], [RatioSpec(SERVED, IN_PROCESS, 1.0), RatioSpec(SERVED, best_dl, 1.0),
-                              RatioSpec(SERVED_KEPT, IN_PROCESS)],
+        results, [wps, mbs], [RatioSpec(SERVED, IN_PROCESS, 1.0), RatioSpec(SERVED, best_dl, 1.5),
+                              RatioSpec(SERVED_TWO, IN_PROCESS, 1.0), RatioSpec(SERVED_TWO, best_dl, 1.5),
+                              RatioSpec(SERVED_TWO, SERVED), RatioSpec(SERVED_KEPT, IN_PROCESS)],
         parameters, notes, env, exits=exits,
         extra={"reference_windows_per_s": REFERENCE_WINDOWS_PER_S, "best_dataloader": best_dl,
                "served_over_reference": {"value": served_over_ref, "target": 20.0,

@@ -215,7 +215,11 @@ def headlines(results_dir: Path) -> list[dict[str, Any]]:
     if (rec := _load(results_dir, "pipeline")) is not None:
         best = rec["best_dataloader"]
         add("pipeline", "fuelline serve / in-process (windows/s)", ratio(rec, "fuelline serve / in-process WindowSource"), 1.0)
-        add("pipeline", f"fuelline serve / best DataLoader ({best})", ratio(rec, f"fuelline serve / {best}"), 1.0)
+        add("pipeline", f"fuelline serve / best DataLoader ({best})", ratio(rec, f"fuelline serve / {best}"), 1.5)
+        if ratio(rec, "fuelline serve ×2 / in-process WindowSource") is not None:
+            add("pipeline", "fuelline serve ×2 (two server processes) / in-process",
+                ratio(rec, "fuelline serve ×2 / in-process WindowSource"), 1.0)
+            add("pipeline", f"fuelline serve ×2 / best DataLoader ({best})", ratio(rec, f"fuelline serve ×2 / {best}"), 1.5)
         add("pipeline", "fuelline serve / 980 windows/s", rec["served_over_reference"]["value"], 20.0)
         if "kept_over_reference" in rec:
             add("pipeline", "served, decoded units kept / 980/s (not like for like)",
@@ -228,7 +232,7 @@ def headlines(results_dir: Path) -> list[dict[str, Any]]:
         add("overlap", "single process: time / ideal", rec["single_over_ideal"], None, False)
     if (rec := _load(results_dir, "scaling")) is not None:
         c = rec["clients"]
-        add("scaling", f"aggregate windows/s, {c['x'][-1]} clients / 1 client", c["speedup_at_max"], None)
+        add("scaling", f"aggregate windows/s, {c['x'][-1]} clients / 1 client", c["speedup_at_max"], 1.0)
         if "clients_unshared" in rec:
             u = rec["clients_unshared"]
             add("scaling", f"same, decoded units unshared ({u['x'][-1]} clients / 1)", u["speedup_at_max"], None)

@@ -30,7 +30,7 @@ import urllib.request
 from contextlib import ExitStack
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -58,7 +58,7 @@ def epochs_per_round(quick: bool) -> int:
 
 # -- client processes -------------------------------------------------------------------------------
 def _client(conn: Connection) -> None:
-    """Child process: per request (host, port, rank, world_size, epochs), read that many epochs
+    """Child process: per request (endpoints, rank, world_size, epochs), read that many epochs
     and report (batches, rows, bytes, rows of the first batch, first arrival, last arrival, CPU
     seconds of this process over the read)."""
     from fuelline.client import ServerDataStream
@@ -67,12 +67,12 @@ def _client(conn: Connection) -> None:
         job = conn.recv()
         if job is None:
             break
-        host, port, rank, world, epochs = job
+        endpoints, rank, world, epochs = job
         cpu0 = time.process_time()
         try:
             first = last = None
             count = rows = nbytes = first_rows = 0
-            with ServerDataStream(None, host=host, port=port, hwm=HWM, rank=rank, world_size=world,
+            with ServerDataStream(None, endpoints=endpoints, hwm=HWM, rank=rank, world_size=world,
                                   timeout=TIMEOUT_S, receive_timeout=TIMEOUT_S) as stream:
                 for _ in range(epochs):
                     for batch in stream.get_epoch_iterator():
@@ -146,27 +146,31 @@ class Clients:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def read(self, server: ServerProcess, world: int, epochs: int) -> Round:
-        """Clients 0…world-1 read ``epochs`` epochs each, all at once. The Round counts every
-        window received after the very first batch of any client, over the time from that batch
-        to the last batch of any client."""
-        if server.pid not in self._metrics:
-            self._metrics[server.pid] = metrics_port(server)
-        decoded0 = decoded_misses(self._metrics[server.pid])
+    def read(self, server: ServerProcess | Sequence[ServerProcess], world: int, epochs: int) -> Round:
+        """Clients 0…world-1 read ``epochs`` epochs each, all at once, from a server or from
+        several (each client from all of them: ``ServerDataStream(endpoints=...)``). The Round
+        counts every window received after the very first batch of any client, over the time
+        from that batch to the last batch of any client; the servers' CPU and decodes are added up."""
+        servers = [server] if isinstance(server, ServerProcess) else list(server)
+        for s in servers:
+            if s.pid not in self._metrics:
+                self._metrics[s.pid] = metrics_port(s)
+        decoded0 = self._decoded(servers)
         machine0, cores = machine_cpu_seconds()
         wall0 = time.monotonic()
-        cpu0 = process_cpu_seconds(server.pid)
+        cpu0 = self._cpu(servers)
+        endpoints = [f"{s.host}:{s.port}" for s in servers]
         for rank in range(world):
-            self.conns[rank].send((server.host, server.port, rank, world, epochs))
+            self.conns[rank].send((endpoints, rank, world, epochs))
         replies = []
         for rank in range(world):
             if not self.conns[rank].poll(10 * TIMEOUT_S):
                 raise TimeoutError(f"client {rank} of {world}: no report within {10 * TIMEOUT_S:.0f}s")
             replies.append(self.conns[rank].recv())
-        cpu1 = process_cpu_seconds(server.pid)
+        cpu1 = self._cpu(servers)
         wall1 = time.monotonic()
         machine1, _ = machine_cpu_seconds()
-        decoded1 = decoded_misses(self._metrics[server.pid])
+        decoded1 = self._decoded(servers)
         errors = [r[1] for r in replies if r[0] != "ok"]
         if errors:
             raise RuntimeError(f"{len(errors)} of {world} clients failed: {errors[0]}")
@@ -184,6 +188,14 @@ class Clients:
             "decoded": None if decoded0 is None or decoded1 is None else decoded1 - decoded0,
         }
         return result
+
+    def _cpu(self, servers: list[ServerProcess]) -> float | None:
+        seconds = [process_cpu_seconds(s.pid) for s in servers]
+        return None if None in seconds else sum(seconds)  # type: ignore[arg-type]
+
+    def _decoded(self, servers: list[ServerProcess]) -> float | None:
+        counts = [decoded_misses(self._metrics[s.pid]) for s in servers]
+        return None if None in counts else sum(counts)  # type: ignore[arg-type]
 
     def close(self) -> None:
         for conn in self.conns:
@@ -304,6 +316,10 @@ def _kept_name(n: int) -> str:
     return f"{_clients_name(n)}, split kept"
 
 
+def _two_servers_name(n: int) -> str:
+    return f"{_clients_name(n)}, 2 servers"
+
+
 def _batch_name(b: int) -> str:
     return f"batch {b}"
 
@@ -337,9 +353,14 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
             Contender(_clients_name(n), lambda n=n: clients.read(shared, n, epochs)),
             Contender(_unshared_name(n), lambda n=n: clients.read(unshared, n, epochs)))]
         contenders += [Contender(_kept_name(n), lambda n=n: clients.read(kept, n, epochs)) for n in KEPT_CLIENTS]
+        # A second server like the first: every client reads from both (the host's other core).
+        second = stack.enter_context(ServerProcess("fuelline serve, second", serve_argv(dataset, bs, budget),
+                                                   Path(logs) / "second.log"))
+        contenders += [Contender(_two_servers_name(n), lambda n=n: clients.read([shared, second], n, epochs))
+                       for n in KEPT_CLIENTS]
         by_clients = alternate(contenders, rounds, describe)
         exits = {f"server, batch {bs}": shared.stop(), f"server, batch {bs}, unshared": unshared.stop(),
-                 f"server, batch {bs}, split kept": kept.stop()}
+                 f"server, batch {bs}, split kept": kept.stop(), f"server, batch {bs}, second": second.stop()}
         servers = {b: stack.enter_context(ServerProcess(f"batch {b}", serve_argv(dataset, b, budget), Path(logs) / f"b{b}.log"))
                    for b in batch_sizes(quick)}
         by_batch = alternate([Contender(_batch_name(b), lambda s=s: clients.read(s, 1, epochs)) for b, s in servers.items()],
@@ -376,10 +397,18 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         _breakdown_note(why),
         _kept_note(by_clients, _clients_name(CLIENTS[0]), _clients_name(CLIENTS[-1]),
                    (_kept_name(KEPT_CLIENTS[0]), _kept_name(KEPT_CLIENTS[-1]))),
+        f"2 servers: a second fuelline serve process like the first (--decoded-cache-mb {budget}), and every "
+        "client reads from both (ServerDataStream(endpoints=[both]): rank r of N reads ranks 2r and 2r+1 of 2N, "
+        "one from each server, batch k from server k mod 2), so each server decodes every unit its ranks touch. "
+        "A server prepares each session's batches on a thread of one process, and Python's interpreter lock "
+        "keeps all of them near one core: the second process is what the host's other core can add. Not one "
+        "server, so not the target's comparison; server CPU is both processes'.",
     ]
     many, one = _clients_name(CLIENTS[-1]), _clients_name(CLIENTS[0])
+    two_many, two_one = _two_servers_name(CLIENTS[-1]), _two_servers_name(CLIENTS[0])
     ratios = [RatioSpec(many, one, target=1.0),
-              RatioSpec(many, one, metric=cpu.unit, higher=False)]
+              RatioSpec(many, one, metric=cpu.unit, higher=False),
+              RatioSpec(two_many, one), RatioSpec(two_many, two_one), RatioSpec(two_one, one)]
     record, md = build_report(
         "scaling", f"scaling — aggregate windows/s by clients (batch {size['batch_size']}) and by batch size (1 client)",
         {**by_clients, **by_batch}, [wps, cpu, *round_metrics(clients.extras)], ratios, parameters, notes, env,

@@ -87,6 +87,11 @@ def test_headline_figures_are_computed(quick_run: tuple[subprocess.CompletedProc
     assert pipeline["best_dataloader"] in names
     assert "fuelline serve / in-process WindowSource" in pipeline["ratios"]
     assert f"fuelline serve / {pipeline['best_dataloader']}" in pipeline["ratios"]
+    # The issue's targets: at least the in-process pipeline, at least 1.5 × the best DataLoader;
+    # the same two for one client reading from two servers on the host.
+    for served in ("fuelline serve", "fuelline serve ×2"):
+        assert pipeline["ratios"][f"{served} / in-process WindowSource"]["target"] == 1.0
+        assert pipeline["ratios"][f"{served} / {pipeline['best_dataloader']}"]["target"] == 1.5
     assert pipeline["served_over_reference"]["value"] > 0
     assert isinstance(pipeline["served_over_reference"]["meets_target"], bool)
 
@@ -97,6 +102,10 @@ def test_headline_figures_are_computed(quick_run: tuple[subprocess.CompletedProc
 
     scaling = _record(results, "scaling")
     assert scaling["clients"]["x"] == [1, 2, 4, 8]
+    assert {"1 client, 2 servers", "8 clients, 2 servers"} <= set(scaling["contenders"])
+    assert scaling["ratios"]["8 clients / 1 client"]["target"] == 1.0
+    for name in ("1 client, 2 servers", "8 clients, 2 servers"):  # both servers' CPU, measured
+        assert all(r["producer_cpu_s"] > 0 for r in scaling["contenders"][name]["rounds"]), name
     for part in ("clients", "batch_size"):
         assert all(s["median"] > 0 for s in scaling[part]["windows/s"].values()), part
         assert scaling[part]["speedup_at_max"] > 0
