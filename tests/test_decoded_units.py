@@ -156,6 +156,30 @@ def test_a_pool_shutting_down_while_a_unit_is_asked_for_does_not_deadlock() -> N
             assert units.get(key, lambda: again.submit(lambda: {"x": np.full(2, 7.0)})).result(TIMEOUT)["x"].tolist() == [7.0, 7.0]
 
 
+def test_a_unit_can_be_cancelled_while_queued_not_once_its_decode_runs() -> None:
+    """As a pool's own future: a reader that closes cancels what is still queued (it never
+    runs), while a decode already running finishes and is kept for the other readers."""
+    units = DecodedUnits(1 << 20, Counts())
+    started, release = threading.Event(), threading.Event()
+    ran = []
+
+    def slow() -> dict:
+        started.set()
+        assert release.wait(TIMEOUT)
+        return {"x": np.zeros(2)}
+
+    with ThreadPoolExecutor(1) as pool:
+        running = units.get("running", lambda: pool.submit(slow))
+        queued = units.get("queued", lambda: pool.submit(lambda: ran.append(1) or {"x": np.ones(2)}))
+        assert started.wait(TIMEOUT)
+        assert not running.cancel() and not running.cancelled()
+        assert queued.cancel() and queued.cancelled()
+        release.set()
+        assert running.result(TIMEOUT)["x"].tolist() == [0.0, 0.0]
+    assert ran == []  # the cancelled decode never ran
+    assert units.get("running", lambda: pytest.fail("decoded again")) is running  # kept
+
+
 # -- through a source ----------------------------------------------------------------------------
 def test_ranks_of_a_job_decode_each_unit_once_an_epoch() -> None:
     shared = CountingUnits(units=8, rows=10)

@@ -25,6 +25,19 @@ from fuelline.server.sources.counters import Counts
 __all__ = ["DecodedUnits", "held_bytes"]
 
 
+class _Slot(Future):
+    """The future readers are given for a unit: it takes its decode's outcome (``_pass_on``), and
+    cancelling it cancels the decode, or fails, as a pool's future does, once that has started."""
+
+    work: Future | None = None
+
+    def cancel(self) -> bool:
+        work = self.work
+        if work is not None and not work.cancel():
+            return False  # decoding or done: its outcome is on its way
+        return super().cancel()
+
+
 def _pass_on(work: Future, slot: Future) -> None:
     """A decode's outcome, onto the future the readers were given (unless they cancelled it)."""
     try:
@@ -84,7 +97,8 @@ class DecodedUnits:
 
     def get(self, key: Hashable, decode: Callable[[], Future]) -> Future:
         """The future of unit ``key``: the one kept or in flight, else one that ``decode()``'s
-        result is passed on to. Cancelling it cancels the decode, if that has not started.
+        outcome is passed on to. Cancelling it cancels the decode; once that has started, it
+        cannot be cancelled (as a pool's own future).
 
         ``decode()`` (a pool's submit) is called without the lock held: a thread pool that shuts
         down cancels its queued futures under its own lock, and their callbacks take this one.
@@ -98,7 +112,7 @@ class DecodedUnits:
                 self._units.move_to_end(key)
                 self.counters.add("cache_decoded_hits")
                 return kept
-            slot: Future = Future()
+            slot = _Slot()
             self._units[key] = slot
             self._units.move_to_end(key)
             self.counters.add("cache_decoded_misses")
@@ -108,10 +122,14 @@ class DecodedUnits:
             with self._lock:
                 if self._units.get(key) is slot:
                     del self._units[key]
-            slot.set_exception(exc)  # (for any reader that was handed the slot meanwhile)
+            try:
+                slot.set_exception(exc)  # (for any reader that was handed the slot meanwhile)
+            except InvalidStateError:
+                pass  # (one cancelled it)
             raise
+        slot.work = work
         slot.add_done_callback(lambda f: self._finished(key, f))
-        slot.add_done_callback(lambda f: work.cancel() if f.cancelled() else None)
+        slot.add_done_callback(lambda f: work.cancel() if f.cancelled() else None)  # (cancelled before the line above)
         work.add_done_callback(lambda w: _pass_on(w, slot))
         return slot
 
