@@ -4,6 +4,8 @@ server's next one, and torchdata's ``StatefulDataLoader`` resumes an epoch mid-w
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import subprocess
 import sys
 from pathlib import Path
@@ -177,3 +179,9 @@ def test_a_fuel_stream_of_unknown_length_is_read_whole_by_one_worker_and_refused
     data = ServerDataset(("x",), endpoints=[endpoint], timeout=TIMEOUT)
     with pytest.raises(Exception, match=r"cannot be split among DataLoader workers; use num_workers <= 1"):
         list(DataLoader(data, batch_size=None, num_workers=2, timeout=TIMEOUT))
+    # torch joins each worker whose dataset raised for 5 s before it gives up on it, whenever the
+    # loader is collected (in a later test): stop them here, and collect the loader now.
+    for worker in multiprocessing.active_children():
+        worker.terminate()
+        worker.join(TIMEOUT)
+    gc.collect()
