@@ -55,7 +55,7 @@ def servers(tmp_path: Path) -> Iterator[list[ServerProcess]]:
     yield started
     ignored = [server for server in started if not server.close()]
     assert not ignored, "servers that ignored SIGTERM and were killed: " + "; ".join(
-        f"{' '.join(s.args[3:5])}: {s.log_path.read_text()[-2000:]}" for s in ignored)
+        f"{' '.join(map(str, s.args[1:6]))} ({s.log_path}): {s.log_path.read_text()[-2000:]}" for s in ignored)
 
 
 @pytest.fixture
