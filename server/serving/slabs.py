@@ -113,7 +113,7 @@ class SessionSlabs:
         if any(a.dtype.str not in WIRE_DTYPES for _, a in values):
             return None  # (big-endian or unservable: encode converts it, or says why)
         slab, offsets = self._where(values)
-        got_room = slab is None
+        in_place = slab is not None
         if slab is None:
             got = self._lay("copy", [a.nbytes for _, a in values])
             if got is None:
@@ -122,7 +122,6 @@ class SessionSlabs:
             slab, offsets = got
             for (_, a), at in zip(values, offsets):
                 np.copyto(np.ndarray(a.shape, a.dtype, buffer=slab.map, offset=at), a, casting="no")
-        in_place = not got_room
         region = next(_REGIONS)
         with self._lock:
             if self._closed:
