@@ -25,7 +25,8 @@ from fuelline.protocol.common.endpoints import parse_ready_line
 
 __all__ = [
     "BENCH_DIR", "ROOT", "RESULTS_DIR", "DEFAULT_DATA_DIR",
-    "Round", "Contender", "ServerProcess", "SourceTree", "time_batches", "process_cpu_seconds", "alternate", "progress",
+    "Round", "Contender", "ServerProcess", "SourceTree", "time_batches", "process_cpu_seconds", "processes_cpu_seconds",
+    "alternate", "progress",
 ]
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -60,8 +61,7 @@ def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Se
     pids = [] if producer_pid is None else [producer_pid] if isinstance(producer_pid, int) else list(producer_pid)
 
     def producers_cpu() -> float | None:
-        seconds = [process_cpu_seconds(pid) for pid in pids]
-        return None if not pids or None in seconds else sum(seconds)  # type: ignore[arg-type]
+        return processes_cpu_seconds(pids) if pids else None
 
     first = last = None
     cpu0 = prod0 = None
@@ -86,6 +86,13 @@ def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Se
     prod1 = producers_cpu()
     producer = prod1 - prod0 if prod0 is not None and prod1 is not None else None
     return Round(count, rows, nbytes, last - first, cpu1 - cpu0, producer)  # type: ignore[operator]
+
+
+def processes_cpu_seconds(pids: Iterable[int]) -> float | None:
+    """The CPU seconds of several processes (each with its live children) added up; None if any
+    of them cannot be read (no /proc)."""
+    seconds = [process_cpu_seconds(pid) for pid in pids]
+    return None if None in seconds else sum(s for s in seconds if s is not None)
 
 
 # -- alternating contenders ------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, process_cpu_seconds, progress
+from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, processes_cpu_seconds, progress
 from benchmarks.pipeline import REFERENCE_WINDOWS_PER_S, ensure_dataset, sizes
 from benchmarks.report import Metric, RatioSpec, build_report, environment, server_cpu_ms_per_window, write_results
 from fuelline.server.multimodal.source import WindowSource
@@ -158,7 +158,7 @@ class Clients:
         decoded0 = self._decoded(servers)
         machine0, cores = machine_cpu_seconds()
         wall0 = time.monotonic()
-        cpu0 = self._cpu(servers)
+        cpu0 = processes_cpu_seconds(s.pid for s in servers)
         endpoints = [f"{s.host}:{s.port}" for s in servers]
         for rank in range(world):
             self.conns[rank].send((endpoints, rank, world, epochs))
@@ -167,7 +167,7 @@ class Clients:
             if not self.conns[rank].poll(10 * TIMEOUT_S):
                 raise TimeoutError(f"client {rank} of {world}: no report within {10 * TIMEOUT_S:.0f}s")
             replies.append(self.conns[rank].recv())
-        cpu1 = self._cpu(servers)
+        cpu1 = processes_cpu_seconds(s.pid for s in servers)
         wall1 = time.monotonic()
         machine1, _ = machine_cpu_seconds()
         decoded1 = self._decoded(servers)
@@ -188,10 +188,6 @@ class Clients:
             "decoded": None if decoded0 is None or decoded1 is None else decoded1 - decoded0,
         }
         return result
-
-    def _cpu(self, servers: list[ServerProcess]) -> float | None:
-        seconds = [process_cpu_seconds(s.pid) for s in servers]
-        return None if None in seconds else sum(seconds)  # type: ignore[arg-type]
 
     def _decoded(self, servers: list[ServerProcess]) -> float | None:
         counts = [decoded_misses(self._metrics[s.pid]) for s in servers]
