@@ -387,6 +387,11 @@ def test_the_memory_tier_keeps_no_batch_built_in_a_slab(server: Server) -> None:
         assert session.slabs is not None and session.slabs.built_in_place > 100
         kept = [entry[0] for c in server.recent._clients.values() for entry in c.batches.values()]
         assert not any(session.slabs.holds(arrays) for arrays in kept)
+    # (And the tier does keep batches: those of a client reading through TCP.)
+    with stream(server, client_id="remote", local=False) as s:
+        next(iter(s.get_epoch_iterator()))
+        wait_until(lambda: "remote" in server.recent._clients, TIMEOUT, "batches kept for the TCP client")
+        assert server.recent._clients["remote"].batches
 
 
 def test_a_remote_peer_that_asks_for_shared_memory_gets_its_batches_on_the_wire(
