@@ -255,31 +255,40 @@ def test_large_rows_are_gathered_alike_row_by_row_and_by_fancy_indexing() -> Non
     src = rng.integers(0, len(windows), 20)
     dest = rng.permutation(32)[:20]
     one, other = np.zeros((32, 256, 14), np.float32), np.zeros((32, 256, 14), np.float32)
-    _gather_rows(one, dest, windows, src, row_by_row=True)
-    _gather_rows(other, dest, windows, src, row_by_row=False)
+    _gather_rows(one, dest, windows, src)  # a row at a time
+    other[dest] = windows[src]  # fancy indexing
     np.testing.assert_array_equal(one, other)
     np.testing.assert_array_equal(one[dest], windows[src])
 
 
-def test_gathering_counts_the_threads_gathering_at_once() -> None:
+def test_gathers_on_several_threads_take_turns() -> None:
+    """Sessions gather on threads of their own: a second gather waits until the first is done."""
     import threading
 
     from fuelline.server.sources.buffers import gathering
 
-    inside, release, seen = threading.Event(), threading.Event(), []
+    first_inside, first_may_leave, second_inside = threading.Event(), threading.Event(), threading.Event()
 
-    def other() -> None:
+    def first() -> None:
         with gathering():
-            inside.set()
-            release.wait(10)
+            first_inside.set()
+            first_may_leave.wait(10)
 
-    thread = threading.Thread(target=other)
-    thread.start()
-    assert inside.wait(10)
-    with gathering() as now:
-        seen.append(now)
-    release.set()
-    thread.join(10)
-    with gathering() as now:
-        seen.append(now)
-    assert seen == [2, 1]
+    def second() -> None:
+        assert first_inside.wait(10)
+        with gathering():
+            second_inside.set()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    try:
+        assert first_inside.wait(10)
+        # While the first gather lasts, the second one does not start (a bounded look for an absence) ...
+        assert not second_inside.wait(0.3), "a second gather ran while the first was still gathering"
+    finally:
+        first_may_leave.set()
+        for t in threads:
+            t.join(10)
+    # ... and starts as soon as the first is done.
+    assert second_inside.is_set()

@@ -26,13 +26,13 @@ ROWS = "\x00rows"
 # Rows at least this large are copied one at a time, straight into the batch: fancy indexing
 # would copy them twice (into a temporary, then into place), which costs more than a Python step
 # per row from about 8 KB a row (a 28 KB window: 1.1 against 1.6 µs a row; a 1 KB one: 0.33 against 0.25).
-# Only while no other thread gathers, though (see ``buffers.gathering``).
+# Gathers take turns (``buffers.gathering``), so each has the rows' copies to itself.
 ROW_BY_ROW_BYTES = 8192
 
 
-def _gather_rows(out: np.ndarray, dest: np.ndarray, part: np.ndarray, src: np.ndarray, row_by_row: bool) -> None:
-    """``out[dest] = part[src]``; with ``row_by_row``, each large row copied once."""
-    if row_by_row and out.ndim and out[0].nbytes >= ROW_BY_ROW_BYTES:
+def _gather_rows(out: np.ndarray, dest: np.ndarray, part: np.ndarray, src: np.ndarray) -> None:
+    """``out[dest] = part[src]``, each large row copied once."""
+    if out.ndim and out[0].nbytes >= ROW_BY_ROW_BYTES:
         for d, s in zip(dest.tolist(), src.tolist()):
             out[d] = part[s]
     else:
@@ -259,11 +259,11 @@ class BlockReader:
             grouped = units[by_unit]
             bounds = [0, *(np.flatnonzero(grouped[1:] != grouped[:-1]) + 1).tolist(), n]
             groups = [(int(grouped[lo]), by_unit[lo:hi], offsets[by_unit[lo:hi]]) for lo, hi in zip(bounds[:-1], bounds[1:])]
-        with gathering() as threads:
+        with gathering():
             for u, dest, src in groups:
                 part = parts[u]
                 for c in self.columns:
-                    _gather_rows(out[c.name], dest, part[c.name], src, row_by_row=threads == 1)
+                    _gather_rows(out[c.name], dest, part[c.name], src)
         return out
 
     def close(self) -> None:
