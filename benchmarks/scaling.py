@@ -44,6 +44,7 @@ __all__ = ["run"]
 CLIENTS = (1, 2, 4, 8)
 KEPT_CLIENTS = (CLIENTS[0], CLIENTS[-1])  # the whole split kept decoded: the server's cost without re-decoding
 HWM = 10
+PROCESSES = 2  # serving processes of the one server of the --processes contenders
 TIMEOUT_S = 60.0
 
 
@@ -108,7 +109,9 @@ def metrics_port(server: ServerProcess) -> int | None:
     if argv[argv.index("--decoded-cache-mb") + 1] == "0":
         return None
     try:
-        found = re.search(r"metrics on http://[^:]+:(\d+)/metrics", server.log_path.read_text())
+        # (--processes N: the supervisor's endpoint, which serves every process's metrics, logged first)
+        found = re.search(r"metrics (?:of the \d+ serving processes )?on http://[^:]+:(\d+)/metrics",
+                          server.log_path.read_text())
     except OSError:
         return None
     return int(found.group(1)) if found else None
@@ -121,8 +124,10 @@ def decoded_misses(port: int | None) -> float | None:
         return None
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT_S) as reply:
         text = reply.read().decode()
-    found = re.search(r'^fuelline_cache_misses_total\{tier="decoded"\} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else None
+    # (one sample per serving process, labelled with its process, under --processes N)
+    found = [float(m.group(2)) for m in re.finditer(r'^fuelline_cache_misses_total\{([^}]*)\} (\S+)$', text, re.M)
+             if 'tier="decoded"' in m.group(1)]
+    return sum(found) if found else None
 
 
 class Clients:
@@ -316,6 +321,10 @@ def _two_servers_name(n: int) -> str:
     return f"{_clients_name(n)}, 2 servers"
 
 
+def _processes_name(n: int) -> str:
+    return f"{_clients_name(n)}, --processes {PROCESSES}"
+
+
 def _batch_name(b: int) -> str:
     return f"batch {b}"
 
@@ -354,9 +363,15 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
                                                    Path(logs) / "second.log"))
         contenders += [Contender(_two_servers_name(n), lambda n=n: clients.read([shared, second], n, epochs))
                        for n in KEPT_CLIENTS]
+        # One server of several serving processes on one port, each client served by one of them.
+        several = stack.enter_context(ServerProcess(
+            f"fuelline serve --processes {PROCESSES}", [*serve_argv(dataset, bs, budget), "--processes", str(PROCESSES)],
+            Path(logs) / "processes.log"))
+        contenders += [Contender(_processes_name(n), lambda n=n: clients.read(several, n, epochs)) for n in KEPT_CLIENTS]
         by_clients = alternate(contenders, rounds, describe)
         exits = {f"server, batch {bs}": shared.stop(), f"server, batch {bs}, unshared": unshared.stop(),
-                 f"server, batch {bs}, split kept": kept.stop(), f"server, batch {bs}, second": second.stop()}
+                 f"server, batch {bs}, split kept": kept.stop(), f"server, batch {bs}, second": second.stop(),
+                 f"server, batch {bs}, --processes {PROCESSES}": several.stop()}
         servers = {b: stack.enter_context(ServerProcess(f"batch {b}", serve_argv(dataset, b, budget), Path(logs) / f"b{b}.log"))
                    for b in batch_sizes(quick)}
         by_batch = alternate([Contender(_batch_name(b), lambda s=s: clients.read(s, 1, epochs)) for b, s in servers.items()],
@@ -399,11 +414,17 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         "A server prepares each session's batches on a thread of one process, and Python's interpreter lock "
         "keeps all of them near one core: the second process is what the host's other core can add. Not one "
         "server, so not the target's comparison; server CPU is both processes'.",
+        f"--processes {PROCESSES}: one fuelline serve (--decoded-cache-mb {budget} in each process) whose "
+        f"{PROCESSES} serving processes share its port; the kernel hands each connection to one of them, so each "
+        "client is served whole by one process (spread by a hash of the connection, not balanced), which "
+        "decodes every unit its clients touch. Server CPU is all its processes'.",
     ]
     many, one = _clients_name(CLIENTS[-1]), _clients_name(CLIENTS[0])
     two_many, two_one = _two_servers_name(CLIENTS[-1]), _two_servers_name(CLIENTS[0])
+    proc_many, proc_one = _processes_name(CLIENTS[-1]), _processes_name(CLIENTS[0])
     ratios = [RatioSpec(many, one, target=1.0),
               RatioSpec(many, one, metric=cpu.unit, higher=False),
+              RatioSpec(proc_many, proc_one, target=1.0), RatioSpec(proc_many, one), RatioSpec(proc_one, one),
               RatioSpec(two_many, one), RatioSpec(two_many, two_one), RatioSpec(two_one, one)]
     record, md = build_report(
         "scaling", f"scaling — aggregate windows/s by clients (batch {size['batch_size']}) and by batch size (1 client)",

@@ -102,10 +102,14 @@ def test_headline_figures_are_computed(quick_run: tuple[subprocess.CompletedProc
 
     scaling = _record(results, "scaling")
     assert scaling["clients"]["x"] == [1, 2, 4, 8]
-    assert {"1 client, 2 servers", "8 clients, 2 servers"} <= set(scaling["contenders"])
+    several = ("1 client, --processes 2", "8 clients, --processes 2")
+    assert {"1 client, 2 servers", "8 clients, 2 servers", *several} <= set(scaling["contenders"])
     assert scaling["ratios"]["8 clients / 1 client"]["target"] == 1.0
-    for name in ("1 client, 2 servers", "8 clients, 2 servers"):  # both servers' CPU, measured
+    assert scaling["ratios"]["8 clients, --processes 2 / 1 client, --processes 2"]["target"] == 1.0
+    for name in ("1 client, 2 servers", "8 clients, 2 servers", *several):  # every server process's CPU, measured
         assert all(r["producer_cpu_s"] > 0 for r in scaling["contenders"][name]["rounds"]), name
+    # The decoded units of a server of several processes are counted across them (their metrics, merged).
+    assert all(v > 0 for v in scaling["contenders"][several[1]]["units decoded/epoch"]["values"])
     for part in ("clients", "batch_size"):
         assert all(s["median"] > 0 for s in scaling[part]["windows/s"].values()), part
         assert scaling[part]["speedup_at_max"] > 0

@@ -7,6 +7,7 @@ import datetime
 import json
 import logging
 import sys
+from typing import Any, Mapping
 
 __all__ = ["LOG_FORMATS", "configure_logging", "JsonFormatter", "StderrHandler"]
 
@@ -52,10 +53,31 @@ class StderrHandler(logging.StreamHandler):
         pass
 
 
-def configure_logging(level: str | int = "INFO", fmt: str = "text") -> None:
-    """Send log records to stderr as text lines or JSON lines (replacing earlier handlers)."""
+class _Tags(logging.Filter):
+    """Sets fields on every record that passes (a process's place among its siblings)."""
+
+    def __init__(self, tags: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.tags = dict(tags)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        for key, value in self.tags.items():
+            setattr(record, key, value)
+        return True
+
+
+def configure_logging(level: str | int = "INFO", fmt: str = "text", tags: Mapping[str, Any] | None = None) -> None:
+    """Send log records to stderr as text lines or JSON lines (replacing earlier handlers).
+
+    ``tags``: fields every record carries (``{"serving_process": 1}``): JSON lines have them as
+    fields of their own, text lines after the logger's name (``fuelline.server [serving_process=1]``).
+    """
     if fmt not in LOG_FORMATS:
         raise ValueError(f"log format must be one of {LOG_FORMATS}, got {fmt!r}")
     handler = StderrHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    text = TEXT_FORMAT
+    if tags:
+        handler.addFilter(_Tags(tags))
+        text = text.replace("%(name)s", "%(name)s [" + " ".join(f"{k}={v}" for k, v in tags.items()).replace("%", "%%") + "]")
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(text))
     logging.basicConfig(level=level, handlers=[handler], force=True)

@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = list(sys.argv[1:] if argv is None else argv)  # (what serve --processes runs again)
     configure_logging(args.log_level, args.log_format)
     try:
         return args.func(args)

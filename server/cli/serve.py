@@ -44,6 +44,11 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     serve.add_argument("--workers", type=non_negative_int, default=0,
                        help="processes that load, align and preprocess in parallel; 0 does it on threads of "
                             "the serving process. The batches are the same for any number")
+    serve.add_argument("--processes", type=positive_int, default=1, metavar="N",
+                       help="serving processes sharing the port, each a whole server with its own caches and "
+                            "workers; the kernel hands each new connection to one of them. One process serves from "
+                            "about one core: more serve more clients at once on a host with the cores. The "
+                            "batches are the same for any number")
     serve.add_argument("--worker-timeout", type=non_negative_float, default=300.0, metavar="SECONDS",
                        help="a worker process still on one unit after this long is stopped, with where its "
                             "threads were, replaced, and the unit retried once; 0 for no limit")
@@ -74,6 +79,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     serve.add_argument("--max-client-heartbeat", type=seconds, default=None, metavar="SECONDS",
                        help="longest heartbeat interval a client may claim: a silent one is dropped after 3 of "
                             "them; default: 10 x --heartbeat, at least 30")
+    # Given by the supervisor of --processes N to each serving process it starts (not for people).
+    serve.add_argument("--serving-process", type=non_negative_int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--supervisor-pipe", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     storage = serve.add_argument_group("remote datasets (DATASET as s3://bucket/prefix, file://...)")
     storage.add_argument("--cache-dir", metavar="DIR", default=None,
                          help="local copies of remote shards (default: $XDG_CACHE_HOME/fuelline or ~/.cache/fuelline)")
@@ -132,6 +140,46 @@ def _describe(info: dict) -> str:
     return f"{info['files']} files, {info['row_groups']} row groups"
 
 
+def _stop_with_supervisor(server, fd: int) -> None:
+    """Stop serving once the supervisor that started this process is gone (its end of the pipe
+    closes however it ends, kill -9 included)."""
+    import os
+    import threading
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except OSError:
+            pass
+        server.stop("server shutting down (its supervisor is gone)")
+
+    threading.Thread(target=watch, name="fuelline-supervisor-watch", daemon=True).start()
+
+
+def _run_processes(args: argparse.Namespace) -> int:
+    """``--processes N`` (N > 1): start N serving processes on the port and supervise them."""
+    import signal
+
+    from fuelline.server.serving.metrics_merge import serve_merged_metrics
+    from fuelline.server.serving.processes import ServingProcesses
+
+    with ServingProcesses(args.command_line, args.processes, args.host, args.port,
+                          metrics=args.metrics_port is not None) as processes:
+        def on_signal(signum, frame) -> None:
+            processes.request_stop()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        if args.metrics_port is not None:
+            try:
+                serve_merged_metrics(processes, args.metrics_port, args.metrics_host)
+            except OSError as exc:
+                raise DataError(f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: {exc}") from None
+        processes.start()
+        return processes.run()
+
+
 def run(args: argparse.Namespace) -> int:
     from fuelline.server.serving.keys import CurveConfig, is_loopback
     from fuelline.server.serving.server import Server
@@ -145,6 +193,14 @@ def run(args: argparse.Namespace) -> int:
             "or pass --insecure on a network that is private by other means"
         )
     curve = CurveConfig.from_dir(args.curve_keys) if args.curve_keys else None  # before the dataset: fail fast
+    if args.status_interval < 0:
+        raise DataError(f"--status-interval must be >= 0 seconds, got {args.status_interval}")
+    if args.processes > 1:
+        return _run_processes(args)
+    if args.serving_process is not None:
+        from fuelline.protocol.common.logs import configure_logging
+
+        configure_logging(args.log_level, args.log_format, tags={"serving_process": args.serving_process})
     try:
         source = _open_source(args)
     except OptionError as exc:  # (a library error names the argument; here the flag)
@@ -156,12 +212,11 @@ def run(args: argparse.Namespace) -> int:
             split, info["rows"], _describe(info), source.batches_per_epoch(split, 0, 1),
             args.batch_size, source.memory_per_client(split) / 1e6,
         )
-    if args.status_interval < 0:
-        raise DataError(f"--status-interval must be >= 0 seconds, got {args.status_interval}")
     server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum,
                     curve=curve, status_interval=args.status_interval, memory_cache=args.memory_cache,
                     local_ipc=args.local_ipc, shared_memory=args.shared_memory, insecure=args.insecure, max_clients=args.max_clients,
-                    max_clients_per_peer=args.max_clients_per_peer, max_client_heartbeat=args.max_client_heartbeat)
+                    max_clients_per_peer=args.max_clients_per_peer, max_client_heartbeat=args.max_client_heartbeat,
+                    share_port=args.serving_process is not None)
     try:
         server.bind()
     except Exception as exc:
@@ -170,9 +225,15 @@ def run(args: argparse.Namespace) -> int:
         from fuelline.server.serving.metrics import serve_metrics
 
         try:
-            serve_metrics(server, args.metrics_port, args.metrics_host)
+            bound = serve_metrics(server, args.metrics_port, args.metrics_host)
         except OSError as exc:
             raise DataError(f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: {exc}") from None
+        if args.serving_process is not None:
+            from fuelline.server.serving.processes import METRICS_LINE
+
+            print(METRICS_LINE.format(port=bound), flush=True)
+    if args.supervisor_pipe is not None:
+        _stop_with_supervisor(server, args.supervisor_pipe)
     try:
         serve_until_signalled(server)
     finally:

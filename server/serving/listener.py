@@ -18,6 +18,7 @@ from fuelline.protocol import DataError
 from fuelline.server.serving.inbound import MAX_INBOUND_BYTES
 from fuelline.server.serving.keys import CurveConfig, is_loopback, start_authenticator
 from fuelline.server.serving.local_ipc import LocalSocketDir
+from fuelline.server.serving.shared_port import shared_port_socket
 
 __all__ = ["Listener", "CONTROL_MESSAGES"]
 
@@ -44,6 +45,7 @@ class Listener:
         local_ipc: bool,
         insecure: bool,
         shared_memory: bool = True,
+        share_port: bool = False,
     ) -> None:
         if curve is None and not insecure and not is_loopback(host):
             raise DataError(
@@ -53,6 +55,7 @@ class Listener:
             )
         self.host = host
         self.port = port
+        self.share_port = share_port  # listen on a port other serving processes listen on too
         self.hwm = hwm
         self.curve = curve
         self._auth: Any = None  # the ZAP authenticator thread, while CURVE is on
@@ -95,7 +98,9 @@ class Listener:
             router.setsockopt(zmq.IPV6, 1)
         try:
             self._secure(router)
-            if self.port == 0:
+            if self.share_port:
+                self._bind_shared(router, address)
+            elif self.port == 0:
                 self.port = router.bind_to_random_port(f"tcp://{address}")
             else:
                 router.bind(f"tcp://{address}:{self.port}")
@@ -110,6 +115,21 @@ class Listener:
         self._router = router
         self.endpoint = f"tcp://{address}:{self.port}"
         return self.endpoint
+
+    def _bind_shared(self, router: zmq.Socket, address: str) -> None:
+        """Listen on the port with the other serving processes that share it
+        (``fuelline.server.serving.shared_port``): libzmq takes a socket made here."""
+        sock = shared_port_socket(self.host, self.port, listen=True)
+        self.port = sock.getsockname()[1]
+        fd = sock.detach()  # (libzmq owns and closes it from here)
+        try:
+            router.setsockopt(zmq.USE_FD, fd)
+            router.bind(f"tcp://{address}:{self.port}")
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            router.setsockopt(zmq.USE_FD, -1)  # (the option stays set: the Unix socket's bind would take the fd too)
 
     def _bind_local(self, router: zmq.Socket) -> None:
         """The Unix socket that clients on this host move to, with the token that proves it."""

@@ -90,6 +90,8 @@ class Server(Listener):
             cut to it), so a silent client is dropped within 3 of them; also how long a session
             may go without credit before it can make room for a newcomer. None: 10 heartbeats,
             at least 30 s.
+        share_port: listen on ``port`` beside other serving processes of the same user, each
+            handed a share of the new connections (``fuelline.server.serving.shared_port``).
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class Server(Listener):
         max_clients: int = DEFAULT_MAX_CLIENTS,
         max_clients_per_peer: int | None = None,
         max_client_heartbeat: float | None = None,
+        share_port: bool = False,
     ) -> None:
         if hwm < 1:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
@@ -124,7 +127,7 @@ class Server(Listener):
         self.max_client_heartbeat = max_client_heartbeat
         self.admission = Admission(max_clients, max_clients_per_peer, grace=max_client_heartbeat)
         super().__init__(host=host, port=port, hwm=hwm, context=context, curve=curve, local_ipc=local_ipc,
-                         insecure=insecure, shared_memory=shared_memory)
+                         insecure=insecure, shared_memory=shared_memory, share_port=share_port)
         self.source = source
         self.heartbeat = heartbeat
         self.checksum = checksum

@@ -1,0 +1,286 @@
+"""``fuelline serve --processes N``: N serving processes behind one port.
+
+Why: a serving process prepares every session's batches on threads that share Python's
+interpreter lock, so it serves from about one core, whatever the host has (docs/sizing.md). With
+``--processes N``, N serving processes listen on the same port (``shared_port``) and the kernel
+hands each new connection to one of them. Each is a whole ``fuelline serve``: its own source,
+caches, worker processes and Unix socket for the clients on its host. A client's session lives in
+one of them, and its batches do not depend on which: every process serves the same dataset with
+the same options, so positions and fingerprints agree, and a client that reconnects to another
+process resumes where it was (its batches prepared again rather than taken from the first
+process's memory tier).
+
+This process, the supervisor, serves nothing. It:
+
+* holds the port (bound, not listening), so that it stays theirs while one of them restarts;
+* starts each as ``fuelline serve`` with the same arguments and ``--processes 1``, in a session
+  of its own (a Ctrl-C in the terminal reaches the supervisor, which passes it on), with a pipe
+  whose end tells it that the supervisor is gone, however it died: it then stops;
+* prints ``serving on tcp://HOST:PORT`` once every process serves; one that exits before it
+  serves (a bad dataset, a port taken) stops them all, with its own error above in the log;
+* starts again a process that dies (a signal, a crash, the OOM killer), saying which and how; more
+  than ``MAX_RESTARTS`` within ``RESTART_WINDOW`` seconds stop everything, exit status 1;
+* on SIGTERM or SIGINT, passes SIGTERM on, waits for every process to say Bye to its clients and
+  exit, and exits 0 if they all did.
+
+With ``--metrics-port``, each process serves its metrics on a loopback port of its own, and the
+supervisor serves them all at the port asked for, each sample labelled with its ``process``
+(``fuelline.server.serving.metrics_merge``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import IO, Any, Sequence
+
+from fuelline.protocol import DataError
+from fuelline.protocol.common.endpoints import parse_ready_line, ready_line
+from fuelline.server.serving.shared_port import shared_port_socket
+from fuelline.server.workers.supervision import describe_exit
+
+__all__ = ["ServingProcesses", "METRICS_LINE", "parse_metrics_line"]
+
+log = logging.getLogger("fuelline.server")
+
+MAX_RESTARTS = 5  # within RESTART_WINDOW seconds: more is a crash loop, not bad luck
+RESTART_WINDOW = 60.0
+STOP_TIMEOUT = 20.0  # seconds the processes get to say Bye and exit after SIGTERM
+
+# What a serving process started by a supervisor prints on stdout once its metrics are served.
+METRICS_LINE = "metrics on port {port}"
+_METRICS = re.compile(r"metrics on port (\d+)$")
+
+
+def parse_metrics_line(line: str) -> int | None:
+    match = _METRICS.match(line.strip())
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class _Child:
+    index: int
+    process: subprocess.Popen
+    pidfd: int
+    pipe_w: int  # the supervisor's end of the pipe whose end of file stops the process
+    ready: threading.Event = field(default_factory=threading.Event)
+    restarted: bool = False  # started again after a death
+    metrics_port: int | None = None
+
+
+class ServingProcesses:
+    """Starts and supervises ``count`` serving processes sharing ``host:port``.
+
+    Args:
+        argv: the ``fuelline`` command line that asked for them (global options, ``serve``, the
+            dataset and its options); each process gets it again with its place among them.
+        count: how many processes.
+        host, port: where they listen; port 0 picks a free one.
+        metrics: whether each serves metrics (on a loopback port of its own, for the supervisor).
+    """
+
+    def __init__(self, argv: Sequence[str], count: int, host: str, port: int, metrics: bool = False) -> None:
+        self.argv = list(argv)
+        self.count = count
+        self.host = host
+        self.metrics = metrics
+        self.restarts = 0
+        self._deaths: deque[float] = deque()
+        self._children: dict[int, _Child] = {}
+        self._stop_r, self._stop_w = os.pipe()
+        os.set_blocking(self._stop_w, False)
+        self._stopping = False
+        try:
+            self._port_hold = shared_port_socket(host, port, listen=False)
+        except OSError as exc:
+            raise DataError(f"cannot listen on {host}:{port}: {exc}") from None
+        self.port = self._port_hold.getsockname()[1]
+        address = f"[{host}]" if ":" in host else host
+        self.endpoint = f"tcp://{address}:{self.port}"
+
+    # -- what the metrics endpoint reads -------------------------------------------------------
+    def metrics_ports(self) -> dict[int, int | None]:
+        """Each process's metrics port (None while it starts)."""
+        return {k: c.metrics_port for k, c in sorted(self._children.items())}
+
+    def pids(self) -> dict[int, int]:
+        return {k: c.process.pid for k, c in sorted(self._children.items())}
+
+    # -- starting ------------------------------------------------------------------------------
+    def _command(self, index: int, pipe_r: int) -> list[str]:
+        extra = ["--processes", "1", "--port", str(self.port), "--serving-process", str(index),
+                 "--supervisor-pipe", str(pipe_r)]
+        if self.metrics:
+            extra += ["--metrics-port", "0", "--metrics-host", "127.0.0.1"]
+        return [sys.executable, "-m", "fuelline.server.cli", *self.argv, *extra]
+
+    def _spawn(self, index: int, restarted: bool = False) -> _Child:
+        pipe_r, pipe_w = os.pipe()
+        try:
+            process = subprocess.Popen(self._command(index, pipe_r), stdout=subprocess.PIPE, text=True,
+                                       pass_fds=(pipe_r,), start_new_session=True)
+        finally:
+            os.close(pipe_r)
+        child = _Child(index, process, os.pidfd_open(process.pid), pipe_w, restarted=restarted)
+        self._children[index] = child
+        threading.Thread(target=self._read_stdout, args=(child, process.stdout), daemon=True,
+                         name=f"fuelline-process-{index}-stdout").start()
+        log.info("serving process %d started (pid %d)", index, process.pid)
+        return child
+
+    def _read_stdout(self, child: _Child, out: IO[str] | None) -> None:
+        """The process's ready and metrics lines; anything else it prints is passed on."""
+        assert out is not None
+        for line in out:
+            if parse_ready_line(line) is not None and not child.ready.is_set():
+                child.ready.set()
+                if child.restarted:
+                    log.info("serving process %d (pid %d) serves again", child.index, child.process.pid)
+                self._wake()
+            elif (port := parse_metrics_line(line)) is not None:
+                child.metrics_port = port
+            else:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+    def start(self) -> None:
+        """Start every process and return once each serves.
+
+        Raises:
+            DataError: a process exited before it served (its error is in the log above it), or
+                SIGTERM/SIGINT came first; the others are stopped.
+        """
+        for index in range(self.count):
+            self._spawn(index)
+        while not all(c.ready.is_set() for c in self._children.values()):
+            dead = self._wait()
+            if self._stopping:
+                self._stop_all()
+                raise DataError("stopped before every serving process served")
+            for child in dead:
+                self._stop_all()
+                raise DataError(f"serving process {child.index} (pid {child.process.pid}) "
+                                f"{describe_exit(child.process.returncode)} before it served; its error is above")
+        log.info("%d serving processes (pids %s) share %s", self.count,
+                 ", ".join(str(p) for p in self.pids().values()), self.endpoint)
+
+    # -- running -------------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Stop every process and return from ``run``. Safe from signal handlers and threads."""
+        self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._stop_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # full: the supervisor is due to wake anyway
+
+    def _wait(self, timeout: float | None = None) -> list[_Child]:
+        """Wait for a process to exit, a wake-up (stop, a process ready) or ``timeout``; returns
+        the processes that exited, reaped."""
+        fds = {c.pidfd: c for c in self._children.values()}
+        try:
+            readable, _, _ = select.select([self._stop_r, *fds], [], [], timeout)
+        except InterruptedError:
+            readable = []
+        if self._stop_r in readable:
+            try:
+                os.read(self._stop_r, 4096)
+            except BlockingIOError:
+                pass
+        dead = []
+        for fd in readable:
+            child = fds.get(fd)
+            if child is not None:
+                child.process.wait()
+                os.close(child.pidfd)
+                os.close(child.pipe_w)
+                del self._children[child.index]
+                dead.append(child)
+        return dead
+
+    def run(self) -> int:
+        """Supervise until ``request_stop``; returns the exit status (0: every process stopped
+        when told to)."""
+        print(ready_line(self.endpoint), flush=True)
+        while not self._stopping:
+            for child in self._wait():
+                if self._stopping:
+                    break
+                if not self._restart(child):
+                    self._stop_all()
+                    return 1
+        return self._stop_all()
+
+    def _restart(self, child: _Child) -> bool:
+        """Start a process that died again; False once they die too often."""
+        how = describe_exit(child.process.returncode)
+        now = time.monotonic()
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > RESTART_WINDOW:
+            self._deaths.popleft()
+        if len(self._deaths) > MAX_RESTARTS:
+            log.error("serving process %d (pid %d) %s: %d deaths within %.0f s; stopping every serving process",
+                      child.index, child.process.pid, how, len(self._deaths), RESTART_WINDOW)
+            return False
+        log.error("serving process %d (pid %d) %s; starting it again (its clients reconnect to the others or to it)",
+                  child.index, child.process.pid, how)
+        self.restarts += 1
+        self._spawn(child.index, restarted=True)
+        return True
+
+    def _stop_all(self) -> int:
+        """SIGTERM to every process, SIGKILL to any still running after ``STOP_TIMEOUT``; 0 if
+        every process exited 0."""
+        status = 0
+        for child in self._children.values():
+            try:
+                child.process.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while self._children:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                for child in list(self._children.values()):
+                    log.error("serving process %d (pid %d) did not stop within %.0f s of SIGTERM; killing it",
+                              child.index, child.process.pid, STOP_TIMEOUT)
+                    child.process.kill()
+                    child.process.wait()
+                    os.close(child.pidfd)
+                    os.close(child.pipe_w)
+                    del self._children[child.index]
+                return 1
+            for child in self._wait(left):
+                if child.process.returncode != 0:
+                    log.error("serving process %d (pid %d) %s while stopping", child.index, child.process.pid,
+                              describe_exit(child.process.returncode))
+                    status = 1
+        return status
+
+    def close(self) -> None:
+        """Release the port and the supervisor's pipes (after ``run`` or a failed ``start``)."""
+        self._port_hold.close()
+        for fd in (self._stop_r, self._stop_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def __enter__(self) -> "ServingProcesses":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._children:
+            self._stop_all()
+        self.close()

@@ -1,0 +1,161 @@
+"""``fuelline serve --processes N``: several serving processes behind one port, supervised.
+
+Every process serves the same batches; the kernel spreads connections among them; a process that
+dies is started again and its clients lose and repeat nothing; the processes go when their
+supervisor goes, however it goes; a process that cannot start stops the rest.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from fuelline.client import ServerDataStream
+
+from support.processes import ServerProcess, wait_until
+
+ARGS = ("--batch-size", "40", "--heartbeat", "0.2", "--seed", "5", "--status-interval", "0")
+STARTED = re.compile(r"serving process (\d+) started \(pid (\d+)\)")
+
+
+def child_pids(server: ServerProcess) -> dict[int, int]:
+    """The serving processes the supervisor said it started, latest pid of each."""
+    return {int(k): int(pid) for k, pid in STARTED.findall(server.log())}
+
+
+def gone(pid: int) -> bool:
+    """Whether a process (not ours to reap) has exited: no longer listed, or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        return answer.read().decode()
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    wanted = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    match = re.search(rf"^{name}\{{{wanted}\}} (\S+)$", text, re.M)
+    assert match, f"{name}{{{wanted}}} not in the metrics:\n{text}"
+    return float(match.group(1))
+
+
+def read_epoch(endpoint: str, rank: int = 0, world: int = 1, **kw) -> list[list[int]]:
+    with ServerDataStream(("sample_id",), endpoints=[endpoint], rank=rank, world_size=world, timeout=30, **kw) as s:
+        return [b[0].tolist() for b in s.get_epoch_iterator()]
+
+
+def test_clients_are_spread_over_the_processes_and_read_what_one_process_serves(sample_dataset: Path, start_serve) -> None:
+    single = start_serve(sample_dataset, *ARGS)
+    several = start_serve(sample_dataset, *ARGS, "--processes", "2", "--metrics-port", "0")
+    metrics_port = int(re.search(r"metrics of the 2 serving processes on http://127.0.0.1:(\d+)/", several.log()).group(1))
+    world = 24  # connections the kernel hands out by a hash: all 24 to one process has odds of 2 in 2**24
+    got: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def read(rank: int) -> None:
+        try:
+            got[rank] = read_epoch(several.endpoint, rank, world, local=False)
+        except BaseException as exc:  # (reported below, with the rank)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(rank,)) for rank in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(got) == world, errors
+    for rank in range(world):
+        assert got[rank] == read_epoch(single.endpoint, rank, world), f"rank {rank} read other batches"
+    text = metrics(metrics_port)
+    sessions = [sample(text, "fuelline_sessions_total", process=str(k)) for k in range(2)]
+    assert sum(sessions) == world and min(sessions) > 0, sessions
+    assert [sample(text, "fuelline_serving_processes_up", process=str(k)) for k in range(2)] == [1.0, 1.0]
+
+
+def test_a_killed_process_is_started_again_and_its_client_loses_and_repeats_nothing(
+    sample_dataset: Path, start_serve
+) -> None:
+    server = start_serve(sample_dataset, *ARGS, "--processes", "2", "--metrics-port", "0")
+    metrics_port = int(re.search(r"on http://127.0.0.1:(\d+)/metrics", server.log()).group(1))
+    with ServerDataStream(("sample_id",), endpoints=[server.endpoint], timeout=30) as s:
+        expected = [b[0].tolist() for e in range(2) for b in s.get_epoch_iterator()]
+    seen: list[list[int]] = []
+    with ServerDataStream(("sample_id",), endpoints=[server.endpoint], hwm=4, heartbeat=0.2, timeout=30) as s:
+        it = s.get_epoch_iterator()
+        seen += [next(it)[0].tolist() for _ in range(30)]
+        text = metrics(metrics_port)
+        serving = [k for k in range(2) if sample(text, "fuelline_clients_connected", process=str(k)) == 1]
+        assert len(serving) == 1, text
+        victim = serving[0]
+        pid = child_pids(server)[victim]
+        subprocess.run(["kill", "-9", str(pid)], check=True, timeout=10)
+        seen += [b[0].tolist() for b in it]
+        seen += [b[0].tolist() for b in s.get_epoch_iterator()]
+    assert seen == expected and len(seen) == 400
+    log = server.wait_log(rf"serving process {victim} \(pid \d+\) serves again", timeout=30)
+    assert f"serving process {victim} (pid {pid}) killed by signal SIGKILL; starting it again" in log
+    assert child_pids(server)[victim] != pid
+
+
+def test_the_processes_stop_with_their_supervisor_whether_terminated_or_killed(sample_dataset: Path, start_serve) -> None:
+    terminated = start_serve(sample_dataset, *ARGS, "--processes", "2")
+    killed = start_serve(sample_dataset, *ARGS, "--processes", "2")
+    pids = child_pids(terminated)
+    assert len(pids) == 2 and not any(gone(p) for p in pids.values())
+    assert terminated.terminate(30) == 0
+    assert all(gone(p) for p in pids.values())
+    log = terminated.log()
+    for k in range(2):
+        assert re.search(rf"\[serving_process={k}\] INFO server stopped: server shutting down \(SIGTERM\)", log), log
+
+    pids = child_pids(killed)
+    killed.proc.send_signal(signal.SIGKILL)
+    killed.proc.wait(10)
+    wait_until(lambda: all(gone(p) for p in pids.values()), 20, "serving processes gone after their supervisor")
+    log = killed.log()
+    for k in range(2):
+        assert re.search(rf"\[serving_process={k}\] INFO server stopped: .*its supervisor is gone", log), log
+
+
+def test_a_process_that_cannot_start_stops_the_others_and_says_so(tmp_path: Path) -> None:
+    args = [sys.executable, "-m", "fuelline.server.cli", "serve", str(tmp_path / "missing"), "--port", "0",
+            "--processes", "2"]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert re.search(r"serving process \d \(pid \d+\) exited with code 2 before it served; its error is above",
+                     done.stderr), done.stderr
+    assert "missing" in done.stderr  # the process's own error names the dataset
+    assert all(gone(int(p)) for _, p in STARTED.findall(done.stderr))
+
+
+def test_a_port_held_by_a_process_that_does_not_share_it_is_refused(sample_dataset: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        args = [sys.executable, "-m", "fuelline.server.cli", "serve", str(sample_dataset), "--port", str(port),
+                "--processes", "2"]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "started" not in done.stderr  # refused before any process was started
+
+
+@pytest.mark.parametrize("count", ["0", "two"])
+def test_processes_must_be_a_positive_number(sample_dataset: Path, count: str) -> None:
+    args = [sys.executable, "-m", "fuelline.server.cli", "serve", str(sample_dataset), "--processes", count]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--processes" in done.stderr
