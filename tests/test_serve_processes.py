@@ -154,6 +154,19 @@ def test_a_port_held_by_a_process_that_does_not_share_it_is_refused(sample_datas
     assert "started" not in done.stderr  # refused before any process was started
 
 
+def test_a_second_server_is_refused_the_port_that_another_one_shares(sample_dataset: Path, start_serve) -> None:
+    """Sharing a port is for a supervisor's own processes: another server started on it by mistake
+    (its own seed, its own data) must not be handed a share of the first one's clients."""
+    first = start_serve(sample_dataset, *ARGS, "--processes", "2")
+    for processes in ("2", "1"):
+        args = [sys.executable, "-m", "fuelline.server.cli", "serve", str(sample_dataset), "--port", str(first.port),
+                "--processes", processes, "--seed", "6"]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2, (processes, done.stderr)
+        assert f"cannot listen on 127.0.0.1:{first.port}" in done.stderr and "in use" in done.stderr, done.stderr
+    assert len(read_epoch(first.endpoint, local=False)) == 200  # (the first server still serves, whole)
+
+
 @pytest.mark.parametrize("count", ["0", "two"])
 def test_processes_must_be_a_positive_number(sample_dataset: Path, count: str) -> None:
     args = [sys.executable, "-m", "fuelline.server.cli", "serve", str(sample_dataset), "--processes", count]

@@ -100,7 +100,7 @@ class ServingProcesses:
         os.set_blocking(self._stop_w, False)
         self._stopping = False
         try:
-            self._port_hold = shared_port_socket(host, port, listen=False)
+            self._port_hold = shared_port_socket(host, port, listen=False, first=True)
         except OSError as exc:
             raise DataError(f"cannot listen on {host}:{port}: {exc}") from None
         self.port = self._port_hold.getsockname()[1]
