@@ -304,6 +304,8 @@ class Connection(Receiving):
         sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
         if self._curve is not None:
             self._curve.apply(sock)
+        if self.transport.startswith("tcp://["):
+            sock.setsockopt(zmq.IPV6, 1)  # (libzmq leaves IPv6 off: an IPv6 server's address would be refused)
         self._watch.attach(sock)
         sock.connect(self.transport)
         self._sock = sock

@@ -107,3 +107,22 @@ def test_a_server_welcomed_once_is_waited_for_past_connect_timeout(
         finally:
             again.close()
     assert seen == expected
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback on this host")
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_server_on_an_ipv6_address_is_reached_by_its_clients(sample_dataset: Path, start_serve, processes: str) -> None:
+    server = start_serve(sample_dataset, *ARGS, "--host", "::1", "--processes", processes)
+    with ServerDataStream(("sample_id",), endpoints=[f"[::1]:{server.port}"], local=False, timeout=20,
+                          connect_timeout=5) as s:
+        rows = sum(len(b[0]) for b in s.get_epoch_iterator())
+    assert rows == 8000
