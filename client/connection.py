@@ -138,6 +138,9 @@ class Connection(Receiving):
         self._history: tuple = ()  # segments of _pos's epoch run at other world sizes (Hello.history)
         self._undelivered = 0  # batches received for the current stream, not yet taken
         self._pending_credit = 0  # batches taken, not yet returned to the server as credit
+        # Credit a Hello over TCP held back until its Welcome says whether this client moves to
+        # the server's Unix socket (see _hello).
+        self._withheld = 0
         self._credit_group = max(1, hwm // 4)
         self._connected = False
         self._awaiting_welcome = False
@@ -281,6 +284,12 @@ class Connection(Receiving):
     # -- the state machine (call with the lock held) ----------------------------------------------
     def _hello(self) -> Hello:
         t = self._template
+        credit = max(0, self._hwm - self._undelivered)
+        # A client that may move to the server's Unix socket asks for nothing over TCP: the
+        # server would prepare up to hwm batches for a session the move then replaces (and send
+        # them again from its memory, copied into shared memory). Its Welcome says whether to
+        # move; if not, the credit follows it.
+        self._withheld = credit if self._local and self.transport == self.endpoint else 0
         return Hello(
             client_id=t.client_id,
             rank=t.rank,
@@ -291,7 +300,7 @@ class Connection(Receiving):
             epoch=self._pos[0],
             cursor=self._pos[1],
             history=self._history if self._history else (),
-            credit=max(0, self._hwm - self._undelivered),
+            credit=credit - self._withheld,
             heartbeat=self._heartbeat,
             shm=self._slabs is not None,
         )

@@ -26,6 +26,7 @@ from fuelline.protocol import (
     ArrayMeta,
     Batch,
     Bye,
+    Credit,
     EndOfEpoch,
     Error,
     ErrorCode,
@@ -89,11 +90,13 @@ class Receiving:
         def _say_hello(self) -> None: ...
         def _close_socket(self) -> None: ...
         def _open(self) -> None: ...
+        def _send(self, msg: Any) -> None: ...
     _bye_reason: str
     _bye_pending: bool
     _backoff: float
     _last_heard: float
     _local: bool
+    _withheld: int
     _shared_memory: bool
     _slabs: ClientSlabs | None
     _limits: Any
@@ -219,13 +222,17 @@ class Receiving:
                 self._watch.detach()
                 if msg.local is not None and self.transport == self.endpoint and self._shares_host(msg.local):
                     # The same session again over the Unix socket: the Hello there replaces this
-                    # one, and batches sent meanwhile over TCP come again (from the server's memory).
+                    # one, and asks for the credit this one held back.
                     log.debug("server %s is on this host: reading through %s", self.endpoint, msg.local["endpoint"])
                     self.transport = msg.local["endpoint"]
                     if self._shared_memory:
                         self._slabs = ClientSlabs(os.path.dirname(self.transport[len("ipc://"):]))
                     self._close_socket()
                     self._open()
+                elif self._withheld:
+                    # Staying on TCP (another host, no socket offered): the credit the Hello held back.
+                    self._send(Credit(self._withheld))
+                    self._withheld = 0
         elif isinstance(msg, Error):
             if msg.code == ErrorCode.NO_SESSION:
                 # The server restarted, or dropped us: ask again from where we are.

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from fuelline.client import ServerDataStream
 
 TIMEOUT = 20.0
@@ -72,3 +74,60 @@ def test_after_a_restart_the_client_finds_the_new_socket(sample_dataset: Path, s
         assert s.transports[0].startswith("ipc://") and s.transports[0] != first
     assert got == expected
     assert again.endpoint == server.endpoint
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_hello_over_tcp_asks_for_batches_only_once_the_client_knows_it_stays(zmq_context, local: bool) -> None:
+    """A client that may move to the server's Unix socket asks for nothing in its Hello over TCP
+    (the server would prepare batches for a session the move replaces); when its Welcome offers
+    no socket it can use, the credit follows. One that will not move asks at once."""
+    import zmq
+
+    from fuelline.protocol import Credit, Hello, Welcome, decode, encode
+
+    router = zmq_context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    with ServerDataStream(("x",), endpoints=[f"127.0.0.1:{port}"], hwm=6, timeout=5.0, local=local) as s:
+        s.get_epoch_iterator()  # connects and says Hello
+        assert router.poll(5000), "no Hello within 5 s"
+        rid, *frames = router.recv_multipart()
+        hello = decode(frames)
+        assert isinstance(hello, Hello) and hello.credit == (0 if local else 6)
+        welcome = Welcome("s", hello.stream, ("x",), {"x": {"dtype": "<f4", "shape": []}}, None, 1.0,
+                          local={"endpoint": "ipc:///nonexistent/server.sock", "token": "not this host's"})
+        router.send_multipart([rid, *encode(welcome)])
+        if local:
+            assert router.poll(5000), "no credit within 5 s of the Welcome"
+            _, *frames = router.recv_multipart()
+            credit = decode(frames)
+            assert isinstance(credit, Credit) and credit.n == 6
+        else:
+            assert not router.poll(300), "a client that asked at once asked again"
+
+
+def test_a_local_client_is_sent_nothing_over_tcp_before_it_moves(sample_dataset: Path, start_serve) -> None:
+    """Its first Hello, over TCP, asks for no batch: the server prepares its batches for the Unix
+    socket (in shared memory), not first for a TCP session that the move replaces."""
+    import re
+    import urllib.request
+
+    server = start_serve(sample_dataset, *ARGS, "--metrics-port", "0")
+    port = int(re.search(r"metrics on http://127.0.0.1:(\d+)/metrics", server.log()).group(1))
+
+    def counts() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT) as answer:
+            text = answer.read().decode()
+        return {name: float(v) for name, v in re.findall(r"^(fuelline_\w+_total) (\S+)$", text, re.M)}
+
+    ids, transports = epoch(server.endpoint)
+    assert transports[0].startswith("ipc://") and len(ids) == 16
+    after = counts()
+    # Every batch sent (the epoch's, and any read ahead into the next) was placed in shared memory.
+    assert after["fuelline_sessions_total"] == 2  # (the Hello over TCP, then the one on the socket)
+    assert after["fuelline_batches_sent_total"] == after["fuelline_batches_shared_total"] >= 16, after
+    # Clients that do not move get the credit their Hello held back once the Welcome is read.
+    for options in ({"shared_memory": False}, {"local": False}):
+        ids, transports = epoch(server.endpoint, **options)
+        assert len(ids) == 16, options
+    assert counts()["fuelline_batches_shared_total"] == after["fuelline_batches_shared_total"]
