@@ -130,6 +130,23 @@ def decoded_misses(port: int | None) -> float | None:
     return sum(found) if found else None
 
 
+def _shares(counts: list[float]) -> list[float]:
+    total = sum(counts)
+    return sorted((c / total for c in counts), reverse=True) if total else []
+
+
+def sent_by_process(port: int | None) -> dict[str, float] | None:
+    """Batches each serving process of a ``--processes N`` server has sent so far (its merged
+    metrics, ``fuelline_batches_sent_total{process=…}``), or None for a server of one process."""
+    if port is None:
+        return None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT_S) as reply:
+        text = reply.read().decode()
+    found = {m.group(1): float(m.group(2))
+             for m in re.finditer(r'^fuelline_batches_sent_total\{process="(\d+)"\} (\S+)$', text, re.M)}
+    return found or None
+
+
 class Clients:
     """``n`` client processes that read concurrently on request.
 
@@ -161,6 +178,7 @@ class Clients:
             if s.pid not in self._metrics:
                 self._metrics[s.pid] = metrics_port(s)
         decoded0 = self._decoded(servers)
+        sent0 = sent_by_process(self._metrics[servers[0].pid]) if len(servers) == 1 else None
         machine0, cores = machine_cpu_seconds()
         wall0 = time.monotonic()
         cpu0 = processes_cpu_seconds(s.pid for s in servers)
@@ -176,6 +194,7 @@ class Clients:
         wall1 = time.monotonic()
         machine1, _ = machine_cpu_seconds()
         decoded1 = self._decoded(servers)
+        sent1 = sent_by_process(self._metrics[servers[0].pid]) if sent0 is not None else None
         errors = [r[1] for r in replies if r[0] != "ok"]
         if errors:
             raise RuntimeError(f"{len(errors)} of {world} clients failed: {errors[0]}")
@@ -191,6 +210,9 @@ class Clients:
             "machine_busy_s": machine1 - machine0, "cores": cores, "wall_s": wall1 - wall0, "epochs": epochs,
             "all_rows": sum(r[2] for r in replies),
             "decoded": None if decoded0 is None or decoded1 is None else decoded1 - decoded0,
+            # Of the batches sent, the share of each serving process (a --processes server), largest first.
+            "process_shares": None if sent0 is None or sent1 is None else _shares(
+                [sent1[k] - sent0.get(k, 0.0) for k in sent1]),
         }
         return result
 
@@ -305,6 +327,15 @@ def _kept_note(results: dict[str, list[Round]], one: str, many: str, kept: tuple
             "rest: a producer thread each, per-rank gathers and batches, handshakes).")
 
 
+def _split_note(results: dict[str, list[Round]], extras: dict[int, dict[str, Any]], name: str) -> str:
+    """Each round of a --processes contender beside how its batches were split among the processes:
+    the kernel spreads connections by a hash, so a round's figure depends on the split it drew."""
+    rounds = [f"{r.rows / r.seconds:,.0f} ({'/'.join(f'{100 * x:.0f}' for x in extras[id(r)]['process_shares'] or [])} %)"
+              for r in results[name]]
+    return (f"{name}, each round's windows/s with the share of its batches each serving process sent, largest "
+            f"first: {', '.join(rounds)}.")
+
+
 def _clients_name(n: int) -> str:
     return f"{n} client{'s' if n > 1 else ''}"
 
@@ -406,6 +437,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         f"The server's CPU per window, what it controls: {clients_part['server_cpu_at_max']:.2f}× one client's at "
         f"{CLIENTS[-1]} clients shared, {unshared_part['server_cpu_at_max']:.2f}× unshared.",
         _breakdown_note(why),
+        _split_note(by_clients, clients.extras, _processes_name(CLIENTS[-1])),
         _kept_note(by_clients, _clients_name(CLIENTS[0]), _clients_name(CLIENTS[-1]),
                    (_kept_name(KEPT_CLIENTS[0]), _kept_name(KEPT_CLIENTS[-1]))),
         f"2 servers: a second fuelline serve process like the first (--decoded-cache-mb {budget}), and every "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,10 @@ def test_headline_figures_are_computed(quick_run: tuple[subprocess.CompletedProc
         assert all(r["producer_cpu_s"] > 0 for r in scaling["contenders"][name]["rounds"]), name
     # The decoded units of a server of several processes are counted across them (their metrics, merged).
     assert all(v > 0 for v in scaling["contenders"][several[1]]["units decoded/epoch"]["values"])
+    # Each round's split of the batches among the processes (from their merged metrics), in the notes.
+    split = next(n for n in scaling["notes"] if n.startswith(f"{several[1]}, each round's windows/s"))
+    shares = [[int(x) for x in m.split("/")] for m in re.findall(r"\(([\d/]+) %\)", split)]
+    assert len(shares) == 2 and all(len(s) == 2 and 99 <= sum(s) <= 101 for s in shares), split
     for part in ("clients", "batch_size"):
         assert all(s["median"] > 0 for s in scaling[part]["windows/s"].values()), part
         assert scaling[part]["speedup_at_max"] > 0

@@ -168,8 +168,9 @@ class ServingProcesses:
                 raise DataError("stopped before every serving process served")
             for child in dead:
                 self._stop_all()
+                when = "while the others started" if child.ready.is_set() else "before it served; its error is above"
                 raise DataError(f"serving process {child.index} (pid {child.process.pid}) "
-                                f"{describe_exit(child.process.returncode)} before it served; its error is above")
+                                f"{describe_exit(child.process.returncode)} {when}")
         log.info("%d serving processes (pids %s) share %s", self.count,
                  ", ".join(str(p) for p in self.pids().values()), self.endpoint)
 
