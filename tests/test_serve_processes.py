@@ -172,3 +172,17 @@ def test_processes_must_be_a_positive_number(sample_dataset: Path, count: str) -
     args = [sys.executable, "-m", "fuelline.server.cli", "serve", str(sample_dataset), "--processes", count]
     done = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--processes" in done.stderr
+
+
+def test_more_processes_than_cores_is_warned_of(sample_dataset: Path, tmp_path: Path) -> None:
+    import os
+
+    core = min(os.sched_getaffinity(0))
+    on_one_core = (f"import os, sys; os.sched_setaffinity(0, {{{core}}}); "
+                   "os.execv(sys.executable, [sys.executable, '-m', 'fuelline.server.cli', *sys.argv[1:]])")
+    server = ServerProcess([sys.executable, "-c", on_one_core, "serve", str(sample_dataset), "--port", "0",
+                            "--processes", "2"], tmp_path / "serve.log")
+    try:
+        assert "--processes 2 with 1 cores for this server" in server.log(), server.log()
+    finally:
+        assert server.close()

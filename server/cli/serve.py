@@ -159,7 +159,13 @@ def _stop_with_supervisor(server, fd: int) -> None:
 
 def _run_processes(args: argparse.Namespace) -> int:
     """``--processes N`` (N > 1): start N serving processes on the port and supervise them."""
+    import os
     import signal
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if args.processes > cores:
+        log.warning("--processes %d with %d cores for this server: a serving process uses about one core, so "
+                    "processes beyond the cores add memory and decoding, not throughput", args.processes, cores)
 
     from fuelline.server.serving.metrics_merge import serve_merged_metrics
     from fuelline.server.serving.processes import ServingProcesses
