@@ -170,7 +170,10 @@ def _run_processes(args: argparse.Namespace) -> int:
     from fuelline.server.serving.metrics_merge import serve_merged_metrics
     from fuelline.server.serving.processes import ServingProcesses
 
-    with ServingProcesses(args.command_line, args.processes, args.host, args.port,
+    import sys
+
+    command_line = getattr(args, "command_line", None) or sys.argv[1:]  # (main() records it)
+    with ServingProcesses(command_line, args.processes, args.host, args.port,
                           metrics=args.metrics_port is not None) as processes:
         def on_signal(signum, frame) -> None:
             processes.request_stop()
