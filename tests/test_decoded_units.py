@@ -94,6 +94,47 @@ def test_least_recently_asked_is_evicted_beyond_the_budget() -> None:
     assert counts["cache_decoded_misses"] == before + 1  # evicted, decoded again
 
 
+def test_an_evicted_unit_a_reader_still_holds_is_handed_out_again_not_decoded_again() -> None:
+    counts = Counts()
+    units = DecodedUnits(400, counts)  # room for one unit of 400 bytes
+    decodes: list[int] = []
+
+    def done(u: int) -> Future:
+        decodes.append(u)
+        f: Future = Future()
+        f.set_result({"x": np.full(100, u, dtype=np.float32)})
+        return f
+
+    held = units.get(1, lambda: done(1)).result()  # a reader gathers from unit 1
+    units.get(2, lambda: done(2))  # over budget: 1 is evicted, though the reader still has it
+    assert counts["cache_decoded_evictions"] == 1
+    again = units.get(1, lambda: done(1)).result()
+    assert decodes == [1, 2] and again["x"] is held["x"]  # the same arrays, no second copy
+    assert counts["cache_decoded_revived"] == 1 and units.held_bytes == 400  # kept again, 2 made room
+    del held, again  # every reader lets unit 1 go
+    units.get(2, lambda: done(2))  # 1 is evicted, and nobody holds it any more
+    units.get(1, lambda: done(1))
+    assert decodes == [1, 2, 2, 1]  # freed, so decoded again
+
+
+def test_ranks_that_drift_apart_share_what_one_of_them_still_holds(monkeypatch) -> None:
+    """A budget smaller than the blocks two ranks read at once: a unit evicted while one rank
+    still gathers from it is the other rank's too, not decoded a second time."""
+    from fuelline.server.sources.blocks import UnitSource
+
+    monkeypatch.setattr(UnitSource, "_decoded_budget", lambda self: 2 * 10 * 24)  # two units of 10 rows
+    source = CountingUnits(units=8, rows=10)
+    try:
+        r0 = source.iter_batches("train", 0, 0, 2, 0, SOURCES)
+        r1 = source.iter_batches("train", 0, 1, 2, 0, SOURCES)
+        got = [b for pair in zip(r0, r1) for b in pair]
+        assert len(got) == 2 * source.batches_per_epoch("train", 0, 2)
+        assert source.counters["cache_decoded_evictions"] > 0  # the budget was too small to keep them
+        assert sorted(source.decodes.values()) == [1] * 8, source.decodes
+    finally:
+        source.close()
+
+
 def test_a_failed_decode_is_not_kept() -> None:
     units = DecodedUnits(1 << 20, Counts())
     attempts = []

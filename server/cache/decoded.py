@@ -9,11 +9,20 @@ data set whose decoded form fits the budget is decoded once for as long as the s
 
 Decoding is a pure function of (split, unit, columns), so a kept unit is exactly what decoding it
 again would give; its arrays are made read-only, since every reader shares them.
+
+A unit evicted from the budget may still be in a reader's hands (the block it gathers from). The
+ranks of a job drift apart, and one that asks for the unit a moment later would decode it again,
+while the arrays are still in memory. So an evicted unit is remembered by weak references to its
+arrays: while a reader still holds them, a request gets those same arrays back, and the unit
+counts against the budget again; once every reader has let them go, the memory is freed as
+before and the next request decodes. This costs no memory: nothing is kept that a reader does not
+hold anyway.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, InvalidStateError
 from typing import Callable, Hashable
@@ -71,8 +80,9 @@ def held_bytes(arrays: dict) -> int:
 class DecodedUnits:
     """Futures of decoded units by key, within ``budget_bytes`` of finished results.
 
-    Counters: ``cache_decoded_hits`` (a request served by a unit kept or in flight),
-    ``cache_decoded_misses`` (a request that had it decoded), ``cache_decoded_evictions``.
+    Counters: ``cache_decoded_hits`` (a request served by a unit kept or in flight, or evicted and
+    still held by a reader), ``cache_decoded_misses`` (a request that had it decoded),
+    ``cache_decoded_evictions``, ``cache_decoded_revived`` (of the hits, units evicted and still held).
     A failed or cancelled decode is not kept: the next request tries again.
     """
 
@@ -85,6 +95,8 @@ class DecodedUnits:
         self._units: OrderedDict[Hashable, Future] = OrderedDict()
         self._sizes: dict[Hashable, int] = {}  # finished units only
         self._held = 0
+        # Evicted units, by weak references to their arrays (see the module's docstring).
+        self._evicted: dict[Hashable, dict[str, weakref.ref]] = {}
 
     @property
     def held_bytes(self) -> int:
@@ -112,6 +124,10 @@ class DecodedUnits:
                 self._units.move_to_end(key)
                 self.counters.add("cache_decoded_hits")
                 return kept
+            revived = self._revive(key)
+            if revived is not None:
+                self.counters.add("cache_decoded_hits")
+                return revived
             slot = _Slot()
             self._units[key] = slot
             self._units.move_to_end(key)
@@ -162,12 +178,35 @@ class DecodedUnits:
             size = self._sizes.pop(key, None)
             if size is None:
                 continue  # still decoding: whoever waits for it holds it
-            del self._units[key]
+            arrays = self._units.pop(key).result()
             self._held -= size
             self.counters.add("cache_decoded_evictions")
+            if all(isinstance(a, np.ndarray) for a in arrays.values()):
+                self._evicted[key] = {name: weakref.ref(a) for name, a in arrays.items()}
+        if len(self._evicted) > 4 * len(self._units) + 64:  # (the dead ones, now and then)
+            self._evicted = {k: refs for k, refs in self._evicted.items() if all(r() is not None for r in refs.values())}
+
+    def _revive(self, key: Hashable) -> Future | None:
+        """An evicted unit whose arrays a reader still holds, kept again (the lock held)."""
+        refs = self._evicted.pop(key, None)
+        if refs is None:
+            return None
+        arrays = {name: ref() for name, ref in refs.items()}
+        if any(a is None for a in arrays.values()):
+            return None  # every reader let it go: freed
+        future: Future = Future()
+        future.set_result(arrays)
+        size = held_bytes(arrays)
+        self._units[key] = future
+        self._sizes[key] = size
+        self._held += size
+        self.counters.add("cache_decoded_revived")
+        self._evict()  # (others make room; this one is the most recent)
+        return future
 
     def clear(self) -> None:
         with self._lock:
             self._units.clear()
             self._sizes.clear()
+            self._evicted.clear()
             self._held = 0

@@ -161,6 +161,7 @@ def _run_processes(args: argparse.Namespace) -> int:
     """``--processes N`` (N > 1): start N serving processes on the port and supervise them."""
     import os
     import signal
+    import sys
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if args.processes > cores:
@@ -169,8 +170,6 @@ def _run_processes(args: argparse.Namespace) -> int:
 
     from fuelline.server.serving.metrics_merge import serve_merged_metrics
     from fuelline.server.serving.processes import ServingProcesses
-
-    import sys
 
     command_line = getattr(args, "command_line", None) or sys.argv[1:]  # (main() records it)
     with ServingProcesses(command_line, args.processes, args.host, args.port,
