@@ -94,6 +94,31 @@ def test_least_recently_asked_is_evicted_beyond_the_budget() -> None:
     assert counts["cache_decoded_misses"] == before + 1  # evicted, decoded again
 
 
+def test_an_evicted_unit_is_freed_at_once_not_left_to_the_garbage_collector() -> None:
+    """Nothing but its readers may keep an evicted unit alive: a reference cycle would hold its
+    memory, past the budget, until the cyclic garbage collector happened to run."""
+    import gc
+    import weakref
+
+    counts = Counts()
+    units = DecodedUnits(400, counts)  # room for one unit of 400 bytes
+
+    def decoded(u: int) -> None:
+        work: Future = Future()  # a decode that finishes after it was handed out, as a pool's does
+        units.get(u, lambda: work)
+        work.set_result({"x": np.full(100, u, dtype=np.float32)})
+
+    gc.disable()
+    try:
+        decoded(1)
+        first = weakref.ref(units.get(1, lambda: Future()).result()["x"])
+        decoded(2)  # over budget: 1 is evicted, and no reader holds it
+        assert counts["cache_decoded_evictions"] == 1
+        assert first() is None, "the evicted unit's arrays outlived every reference but a cycle"
+    finally:
+        gc.enable()
+
+
 def test_an_evicted_unit_a_reader_still_holds_is_handed_out_again_not_decoded_again() -> None:
     counts = Counts()
     units = DecodedUnits(400, counts)  # room for one unit of 400 bytes

@@ -35,8 +35,12 @@ __all__ = ["DecodedUnits", "held_bytes"]
 
 
 class _Slot(Future):
-    """The future readers are given for a unit: it takes its decode's outcome (``_pass_on``), and
-    cancelling it cancels the decode, or fails, as a pool's future does, once that has started."""
+    """The future readers are given for a unit: it takes its decode's outcome (``take``), and
+    cancelling it cancels the decode, or fails, as a pool's future does, once that has started.
+
+    Only the decode refers to the slot (its callback), and the slot to the decode only until the
+    outcome is in: no reference cycle, so an evicted unit's memory goes as soon as the last reader
+    lets it go, not whenever the cyclic garbage collector next runs."""
 
     work: Future | None = None
 
@@ -46,18 +50,18 @@ class _Slot(Future):
             return False  # decoding or done: its outcome is on its way
         return super().cancel()
 
-
-def _pass_on(work: Future, slot: Future) -> None:
-    """A decode's outcome, onto the future the readers were given (unless they cancelled it)."""
-    try:
-        if work.cancelled():
-            slot.cancel()
-        elif (exc := work.exception()) is not None:
-            slot.set_exception(exc)
-        else:
-            slot.set_result(work.result())
-    except InvalidStateError:
-        pass  # cancelled by a reader meanwhile
+    def take(self, work: Future) -> None:
+        """The decode's outcome (unless a reader cancelled this meanwhile)."""
+        self.work = None
+        try:
+            if work.cancelled():
+                super().cancel()
+            elif (exc := work.exception()) is not None:
+                self.set_exception(exc)
+            else:
+                self.set_result(work.result())
+        except InvalidStateError:
+            pass  # cancelled by a reader meanwhile
 
 
 def held_bytes(arrays: dict) -> int:
@@ -144,9 +148,10 @@ class DecodedUnits:
                 pass  # (one cancelled it)
             raise
         slot.work = work
+        if slot.cancelled():
+            work.cancel()  # (a reader cancelled it before it had its decode)
         slot.add_done_callback(lambda f: self._finished(key, f))
-        slot.add_done_callback(lambda f: work.cancel() if f.cancelled() else None)  # (cancelled before the line above)
-        work.add_done_callback(lambda w: _pass_on(w, slot))
+        work.add_done_callback(slot.take)
         return slot
 
     def _finished(self, key: Hashable, future: Future) -> None:
