@@ -85,6 +85,33 @@ def test_clients_are_spread_over_the_processes_and_read_what_one_process_serves(
     assert [sample(text, "fuelline_serving_processes_up", process=str(k)) for k in range(2)] == [1.0, 1.0]
 
 
+def test_clients_on_the_host_are_dealt_to_the_processes_in_turn(sample_dataset: Path, start_serve) -> None:
+    """The kernel spreads connections by a hash, unevenly; a client on the host moves to the Unix
+    socket its Welcome names, and the processes name one another's in turn: 8 clients, 4 and 4."""
+    server = start_serve(sample_dataset, *ARGS, "--processes", "2", "--metrics-port", "0")
+    metrics_port = int(re.search(r"on http://127.0.0.1:(\d+)/metrics", server.log()).group(1))
+    world, errors, got = 8, [], {}
+
+    def read(rank: int) -> None:
+        try:
+            got[rank] = read_epoch(server.endpoint, rank, world, hwm=2)
+        except BaseException as exc:  # (reported below)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(rank,)) for rank in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and sorted(got) == list(range(world)), errors
+    assert all(len(batches) == 25 for batches in got.values())  # 8000 rows / 8 ranks / 40 a batch
+    text = metrics(metrics_port)
+    # Every batch went into shared memory (nothing over TCP); each process placed its 4 clients'
+    # 25 batches, and at most the hwm (2) each read ahead into the next epoch before leaving.
+    shared = [sample(text, "fuelline_batches_shared_total", process=str(k)) for k in range(2)]
+    assert all(4 * 25 <= n <= 4 * 27 for n in shared), shared
+
+
 def test_a_killed_process_is_started_again_and_its_client_loses_and_repeats_nothing(
     sample_dataset: Path, start_serve
 ) -> None:
@@ -97,7 +124,9 @@ def test_a_killed_process_is_started_again_and_its_client_loses_and_repeats_noth
         it = s.get_epoch_iterator()
         seen += [next(it)[0].tolist() for _ in range(30)]
         text = metrics(metrics_port)
-        serving = [k for k in range(2) if sample(text, "fuelline_clients_connected", process=str(k)) == 1]
+        # The process its batches come from (the one it said Hello to over TCP may be the other).
+        serving = sorted({int(k) for k, sent in re.findall(
+            r'^fuelline_client_batches_sent_total\{[^}]*process="(\d+)"[^}]*\} (\S+)$', text, re.M) if float(sent) > 0})
         assert len(serving) == 1, text
         victim = serving[0]
         pid = child_pids(server)[victim]
@@ -122,9 +151,13 @@ def test_the_processes_stop_with_their_supervisor_whether_terminated_or_killed(s
         assert re.search(rf"\[serving_process={k}\] INFO server stopped: server shutting down \(SIGTERM\)", log), log
 
     pids = child_pids(killed)
+    argv = Path(f"/proc/{pids[0]}/cmdline").read_bytes().split(b"\0")
+    group = Path(argv[argv.index(b"--serving-group") + 1].decode())  # where the processes meet
+    assert group.is_dir()
     killed.proc.send_signal(signal.SIGKILL)
     killed.proc.wait(10)
     wait_until(lambda: all(gone(p) for p in pids.values()), 20, "serving processes gone after their supervisor")
+    assert not group.exists()  # removed by the processes, since their supervisor could not
     log = killed.log()
     for k in range(2):
         assert re.search(rf"\[serving_process={k}\] INFO server stopped: .*its supervisor is gone", log), log

@@ -82,6 +82,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     # Given by the supervisor of --processes N to each serving process it starts (not for people).
     serve.add_argument("--serving-process", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--supervisor-pipe", type=non_negative_int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--serving-group", default=None, help=argparse.SUPPRESS)
     storage = serve.add_argument_group("remote datasets (DATASET as s3://bucket/prefix, file://...)")
     storage.add_argument("--cache-dir", metavar="DIR", default=None,
                          help="local copies of remote shards (default: $XDG_CACHE_HOME/fuelline or ~/.cache/fuelline)")
@@ -140,10 +141,11 @@ def _describe(info: dict) -> str:
     return f"{info['files']} files, {info['row_groups']} row groups"
 
 
-def _stop_with_supervisor(server, fd: int) -> None:
+def _stop_with_supervisor(server, fd: int, group: str | None) -> None:
     """Stop serving once the supervisor that started this process is gone (its end of the pipe
-    closes however it ends, kill -9 included)."""
+    closes however it ends, kill -9 included), and remove the folder it shared with its siblings."""
     import os
+    import shutil
     import threading
 
     def watch() -> None:
@@ -153,6 +155,8 @@ def _stop_with_supervisor(server, fd: int) -> None:
         except OSError:
             pass
         server.stop("server shutting down (its supervisor is gone)")
+        if group is not None:
+            shutil.rmtree(group, ignore_errors=True)  # (the supervisor would have, had it stopped)
 
     threading.Thread(target=watch, name="fuelline-supervisor-watch", daemon=True).start()
 
@@ -240,8 +244,14 @@ def run(args: argparse.Namespace) -> int:
             from fuelline.server.serving.processes import METRICS_LINE
 
             print(METRICS_LINE.format(port=bound), flush=True)
+    if args.serving_group is not None and args.serving_process is not None and server.local is not None:
+        from fuelline.server.serving.local_group import LocalGroup
+
+        group = LocalGroup(args.serving_group, args.serving_process)
+        group.publish(server.local)
+        server.local_offer = group.offer
     if args.supervisor_pipe is not None:
-        _stop_with_supervisor(server, args.supervisor_pipe)
+        _stop_with_supervisor(server, args.supervisor_pipe, args.serving_group)
     try:
         serve_until_signalled(server)
     finally:

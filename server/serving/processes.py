@@ -18,6 +18,8 @@ This process, the supervisor, serves nothing. It:
   whose end tells it that the supervisor is gone, however it died: it then stops;
 * prints ``serving on tcp://HOST:PORT`` once every process serves; one that exits before it
   serves (a bad dataset, a port taken) stops them all, with its own error above in the log;
+* gives them a folder (mode 700) where each publishes its Unix socket, so that a client on the
+  host is dealt to the processes in turn rather than by the kernel's hash (``local_group``);
 * starts again a process that dies (a signal, a crash, the OOM killer), saying which and how; more
   than ``MAX_RESTARTS`` within ``RESTART_WINDOW`` seconds stop everything, exit status 1;
 * on SIGTERM or SIGINT, passes SIGTERM on, waits for every process to say Bye to its clients and
@@ -34,9 +36,11 @@ import logging
 import os
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -45,6 +49,8 @@ from typing import IO, Any, Sequence
 
 from fuelline.protocol import DataError
 from fuelline.protocol.common.endpoints import parse_ready_line, ready_line
+from fuelline.server.serving.local_group import process_file
+from fuelline.server.serving.local_ipc import default_base
 from fuelline.server.serving.shared_port import shared_port_socket
 from fuelline.server.workers.supervision import describe_exit
 
@@ -104,6 +110,8 @@ class ServingProcesses:
         except OSError as exc:
             raise DataError(f"cannot listen on {host}:{port}: {exc}") from None
         self.port = self._port_hold.getsockname()[1]
+        # Where the processes tell one another their Unix sockets (``local_group``), mode 700.
+        self.group = tempfile.mkdtemp(prefix="fuelline-group-", dir=default_base())
         address = f"[{host}]" if ":" in host else host
         self.endpoint = f"tcp://{address}:{self.port}"
 
@@ -118,7 +126,7 @@ class ServingProcesses:
     # -- starting ------------------------------------------------------------------------------
     def _command(self, index: int, pipe_r: int) -> list[str]:
         extra = ["--processes", "1", "--port", str(self.port), "--serving-process", str(index),
-                 "--supervisor-pipe", str(pipe_r)]
+                 "--supervisor-pipe", str(pipe_r), "--serving-group", self.group]
         if self.metrics:
             extra += ["--metrics-port", "0", "--metrics-host", "127.0.0.1"]
         return [sys.executable, "-m", "fuelline.server.cli", *self.argv, *extra]
@@ -204,6 +212,10 @@ class ServingProcesses:
             child = fds.get(fd)
             if child is not None:
                 child.process.wait()
+                try:
+                    os.unlink(process_file(self.group, child.index))  # (no client is offered its socket)
+                except OSError:
+                    pass
                 os.close(child.pidfd)
                 os.close(child.pipe_w)
                 del self._children[child.index]
@@ -270,8 +282,10 @@ class ServingProcesses:
         return status
 
     def close(self) -> None:
-        """Release the port and the supervisor's pipes (after ``run`` or a failed ``start``)."""
+        """Release the port, the processes' shared folder and the supervisor's pipes (after
+        ``run`` or a failed ``start``)."""
         self._port_hold.close()
+        shutil.rmtree(self.group, ignore_errors=True)
         for fd in (self._stop_r, self._stop_w):
             try:
                 os.close(fd)

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import zmq
 
@@ -133,6 +133,9 @@ class Server(Listener):
         self.checksum = checksum
         self.limits = limits
         self.sessions: dict[bytes, Session] = {}
+        # Which Unix socket a Hello over TCP is offered (``fuelline.server.serving.local_group``):
+        # another serving process's, in turn; None: this server's own.
+        self.local_offer: Callable[[Mapping[str, str]], Mapping[str, str]] | None = None
         # Sessions whose peer was gone when a send reached it: dropped once what it sent last
         # (a Bye, say, queued before its connection closed) has been read.
         self._vanished: dict[bytes, Session] = {}
@@ -352,7 +355,8 @@ class Server(Listener):
             batches_per_epoch=src.batches_per_epoch(hello.split, hello.rank, hello.world_size),
             heartbeat=self.heartbeat,
             info=dict(src.info(hello.split)),
-            local=self.local,
+            local=self.local if peer == LOCAL or self.local is None or self.local_offer is None
+            else self.local_offer(self.local),
             # A source without one (a Fuel-style stream) leaves its clients nothing to hold to.
             fingerprint=src.fingerprint(hello.split),
         )
