@@ -57,18 +57,15 @@ def read_epoch(endpoint: str, rank: int = 0, world: int = 1, **kw) -> list[list[
         return [b[0].tolist() for b in s.get_epoch_iterator()]
 
 
-def test_clients_are_spread_over_the_processes_and_read_what_one_process_serves(sample_dataset: Path, start_serve) -> None:
-    single = start_serve(sample_dataset, *ARGS)
-    several = start_serve(sample_dataset, *ARGS, "--processes", "2", "--metrics-port", "0")
-    metrics_port = int(re.search(r"metrics of the 2 serving processes on http://127.0.0.1:(\d+)/", several.log()).group(1))
-    world = 24  # connections the kernel hands out by a hash: all 24 to one process has odds of 2 in 2**24
+def read_all_at_once(endpoint: str, world: int, **kw) -> dict[int, list[list[int]]]:
+    """Ranks 0…world-1 each read one epoch of their share, all at once, on threads of their own."""
     got: dict[int, list[list[int]]] = {}
     errors: list[BaseException] = []
 
     def read(rank: int) -> None:
         try:
-            got[rank] = read_epoch(several.endpoint, rank, world, local=False)
-        except BaseException as exc:  # (reported below, with the rank)
+            got[rank] = read_epoch(endpoint, rank, world, **kw)
+        except BaseException as exc:  # (reported below)
             errors.append(exc)
 
     threads = [threading.Thread(target=read, args=(rank,)) for rank in range(world)]
@@ -76,7 +73,16 @@ def test_clients_are_spread_over_the_processes_and_read_what_one_process_serves(
         t.start()
     for t in threads:
         t.join(60)
-    assert not errors and len(got) == world, errors
+    assert not errors and sorted(got) == list(range(world)), errors
+    return got
+
+
+def test_clients_are_spread_over_the_processes_and_read_what_one_process_serves(sample_dataset: Path, start_serve) -> None:
+    single = start_serve(sample_dataset, *ARGS)
+    several = start_serve(sample_dataset, *ARGS, "--processes", "2", "--metrics-port", "0")
+    metrics_port = int(re.search(r"metrics of the 2 serving processes on http://127.0.0.1:(\d+)/", several.log()).group(1))
+    world = 24  # connections the kernel hands out by a hash: all 24 to one process has odds of 2 in 2**24
+    got = read_all_at_once(several.endpoint, world, local=False)
     for rank in range(world):
         assert got[rank] == read_epoch(single.endpoint, rank, world), f"rank {rank} read other batches"
     text = metrics(metrics_port)
@@ -90,20 +96,7 @@ def test_clients_on_the_host_are_dealt_to_the_processes_in_turn(sample_dataset: 
     socket its Welcome names, and the processes name one another's in turn: 8 clients, 4 and 4."""
     server = start_serve(sample_dataset, *ARGS, "--processes", "2", "--metrics-port", "0")
     metrics_port = int(re.search(r"on http://127.0.0.1:(\d+)/metrics", server.log()).group(1))
-    world, errors, got = 8, [], {}
-
-    def read(rank: int) -> None:
-        try:
-            got[rank] = read_epoch(server.endpoint, rank, world, hwm=2)
-        except BaseException as exc:  # (reported below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=read, args=(rank,)) for rank in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors and sorted(got) == list(range(world)), errors
+    got = read_all_at_once(server.endpoint, 8, hwm=2)
     assert all(len(batches) == 25 for batches in got.values())  # 8000 rows / 8 ranks / 40 a batch
     text = metrics(metrics_port)
     # Every batch went into shared memory (nothing over TCP); each process placed its 4 clients'
