@@ -131,3 +131,11 @@ def test_a_local_client_is_sent_nothing_over_tcp_before_it_moves(sample_dataset:
         ids, transports = epoch(server.endpoint, **options)
         assert len(ids) == 16, options
     assert counts()["fuelline_batches_shared_total"] == after["fuelline_batches_shared_total"]
+
+
+def test_a_client_whose_hwm_is_above_the_servers_and_that_stays_on_tcp_is_served(sample_dataset: Path, start_serve) -> None:
+    """Its Hello over TCP holds its credit back, which it then grants after the Welcome: that is the
+    Hello's credit, not credit returned for batches never sent, however large its hwm."""
+    server = start_serve(sample_dataset, *ARGS, "--hwm", "2", "--no-local-ipc")  # (a Welcome with no socket)
+    ids, transports = epoch(server.endpoint, hwm=16)
+    assert transports == [f"tcp://{server.endpoint}"] and len(ids) == 16

@@ -153,9 +153,18 @@ class Session:
         held from its connection before: its Hello asked for its hwm minus those. The server
         does not know that hwm, and allows the larger of its own and the Hello's credit.
 
+        The first credit of a session whose Hello granted none is the credit that Hello held
+        back (a client that might have moved to the server's Unix socket): it is taken as a
+        Hello's credit would have been.
+
         Raises:
             ProtocolError: credit no honest client could grant (the session must end).
         """
+        if not self.granted:
+            self._unsent_allowed = max(self._unsent_allowed, n)
+            self.credit = min(n, self.hwm - self.in_flight)
+            self.granted = True
+            return
         self._returned_unsent += max(0, n - self.in_flight)
         if self._returned_unsent > self._unsent_allowed:
             raise ProtocolError(
