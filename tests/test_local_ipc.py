@@ -106,9 +106,10 @@ def test_a_hello_over_tcp_asks_for_batches_only_once_the_client_knows_it_stays(z
             assert not router.poll(300), "a client that asked at once asked again"
 
 
-def test_a_local_client_is_sent_nothing_over_tcp_before_it_moves(sample_dataset: Path, start_serve) -> None:
-    """Its first Hello, over TCP, asks for no batch: the server prepares its batches for the Unix
-    socket (in shared memory), not first for a TCP session that the move replaces."""
+def test_every_batch_a_local_client_is_sent_is_placed_in_shared_memory(sample_dataset: Path, start_serve) -> None:
+    """End to end: none goes over its first, TCP, session (the Hello there asks for none; that it
+    does is pinned down by test_a_hello_over_tcp_asks_for_batches_only_once_the_client_knows_it_stays,
+    since a server may also just not get to it before the move)."""
     import re
     import urllib.request
 

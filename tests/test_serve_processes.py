@@ -212,3 +212,12 @@ def test_more_processes_than_cores_is_warned_of(sample_dataset: Path, tmp_path: 
         assert "--processes 2 with 1 cores for this server" in server.log(), server.log()
     finally:
         assert server.close()
+
+
+def test_a_serving_process_that_cannot_publish_its_socket_still_serves(sample_dataset: Path, start_serve,
+                                                                      tmp_path: Path) -> None:
+    """The folder the processes share may be unwritable (a full /dev/shm): the process serves, and
+    offers its clients its own socket."""
+    server = start_serve(sample_dataset, *ARGS, "--serving-process", "0", "--serving-group", str(tmp_path / "gone"))
+    ids = read_epoch(server.endpoint)
+    assert len(ids) == 200 and "cannot tell the other serving processes" in server.log()

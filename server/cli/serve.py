@@ -248,8 +248,12 @@ def run(args: argparse.Namespace) -> int:
         from fuelline.server.serving.local_group import LocalGroup
 
         group = LocalGroup(args.serving_group, args.serving_process)
-        group.publish(server.local)
-        server.local_offer = group.offer
+        try:
+            group.publish(server.local)
+            server.local_offer = group.offer
+        except OSError as exc:  # (a full /dev/shm, say): serve, offering only this process's own socket
+            log.warning("cannot tell the other serving processes of this one's Unix socket (%s): clients on this "
+                        "host that reach it over TCP stay with it", exc)
     if args.supervisor_pipe is not None:
         _stop_with_supervisor(server, args.supervisor_pipe, args.serving_group)
     try:
