@@ -40,10 +40,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from benchmarks.clients import HWM, TIMEOUT_S, Clients
 from benchmarks.common import DEFAULT_DATA_DIR, RESULTS_DIR, Contender, Round, ServerProcess, alternate, progress
 from benchmarks.pipeline import ensure_dataset
 from benchmarks.report import Metric, RatioSpec, build_report, environment, server_cpu_ms_per_window, write_results
-from benchmarks.scaling import HWM, TIMEOUT_S, Clients
 from fuelline.protocol.common.cpu import process_cpu_seconds
 from fuelline.server.multimodal.source import WindowSource
 
