@@ -137,6 +137,11 @@ class Clients:
             self.conns.append(parent)
             self.procs.append(proc)
 
+    def ask(self, i: int, endpoints: Sequence[str], rank: int, world: int, epochs: int) -> None:
+        """Have client ``i`` read ``epochs`` epochs of rank ``rank`` of ``world`` from ``endpoints``
+        (HOST:PORT each); it reports on its pipe (``_client``). The one place a job is put into words."""
+        self.conns[i].send((list(endpoints), rank, world, epochs))
+
     def read(self, server: ServerProcess | Sequence[ServerProcess], world: int, epochs: int) -> Round:
         """Clients 0…world-1 read ``epochs`` epochs each, all at once, from a server or from
         several (each client from all of them: ``ServerDataStream(endpoints=...)``). The Round
@@ -153,7 +158,7 @@ class Clients:
         cpu0 = processes_cpu_seconds(s.pid for s in servers)
         endpoints = [f"{s.host}:{s.port}" for s in servers]
         for rank in range(world):
-            self.conns[rank].send((endpoints, rank, world, epochs))
+            self.ask(rank, endpoints, rank, world, epochs)
         replies = []
         for rank in range(world):
             if not self.conns[rank].poll(10 * TIMEOUT_S):

@@ -154,8 +154,8 @@ def read_round(clients: Clients, server: ServerProcess, n: int, epochs: int) -> 
     ccpu0 = [process_cpu_seconds(p.pid) or 0.0 for p in clients.procs[:n]]
     rss = PeakRss(server.pid)
     started = time.monotonic()
-    for conn in clients.conns[:n]:
-        conn.send((server.host, server.port, 0, 1, epochs))
+    for i in range(n):
+        clients.ask(i, [f"{server.host}:{server.port}"], 0, 1, epochs)
     replies = []
     try:
         for i, conn in enumerate(clients.conns[:n]):
