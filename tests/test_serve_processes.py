@@ -105,8 +105,9 @@ def test_clients_on_the_host_are_dealt_to_the_processes_in_turn(sample_dataset: 
     assert all(4 * 25 <= n <= 4 * 27 for n in shared), shared
 
 
+@pytest.mark.parametrize("killed_after", [30, 200])  # batches: mid-epoch, and just at the first epoch's end
 def test_a_killed_process_is_started_again_and_its_client_loses_and_repeats_nothing(
-    sample_dataset: Path, start_serve
+    sample_dataset: Path, start_serve, killed_after: int
 ) -> None:
     server = start_serve(sample_dataset, *ARGS, "--processes", "2", "--metrics-port", "0")
     metrics_port = int(re.search(r"on http://127.0.0.1:(\d+)/metrics", server.log()).group(1))
@@ -115,7 +116,7 @@ def test_a_killed_process_is_started_again_and_its_client_loses_and_repeats_noth
     seen: list[list[int]] = []
     with ServerDataStream(("sample_id",), endpoints=[server.endpoint], hwm=4, heartbeat=0.2, timeout=30) as s:
         it = s.get_epoch_iterator()
-        seen += [next(it)[0].tolist() for _ in range(30)]
+        seen += [next(it)[0].tolist() for _ in range(killed_after)]
         text = metrics(metrics_port)
         # The process its batches come from (the one it said Hello to over TCP may be the other).
         serving = sorted({int(k) for k, sent in re.findall(
