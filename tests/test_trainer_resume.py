@@ -1,7 +1,11 @@
-"""A resumed 1-bit run carries on where it stopped: no second warm-up, the same parameters."""
+"""A resumed 1-bit run carries on where it stopped: no second warm-up, the same parameters.
+
+The run stopped is an uninterrupted run's own checkpoint at step STOP, as a job preempted just
+after it leaves its directory; its launch also gives the uninterrupted parameters to compare with."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -59,9 +63,15 @@ def test_a_resumed_one_bit_run_matches_an_uninterrupted_one_bit_for_bit(dataset:
                                                                         options: tuple[str, ...]) -> None:
     server = start_serve(dataset, "--batch-size", "8", "--seed", "3")
     whole, parts = tmp_path / "whole", tmp_path / "parts"
-    launch(server.endpoint, *options, "--checkpoint-dir", str(whole), "--max-steps", str(STEPS))
-    first = launch(server.endpoint, *options, "--checkpoint-dir", str(parts), "--max-steps", str(STOP))
-    assert "1-bit compression starts" in first  # within the first STOP steps
+    uninterrupted = launch(server.endpoint, *options, "--checkpoint-dir", str(whole), "--max-steps", str(STEPS),
+                           "--checkpoint-every", str(STOP))
+    assert "1-bit compression starts" in uninterrupted  # (the options start it before step STOP)
+    # The job as a preemption after its step-STOP checkpoint leaves it: that checkpoint is the latest.
+    parts.mkdir()
+    for rank in range(2):
+        name = f"step{STOP:09d}-rank{rank}.pt"
+        (parts / name).write_bytes((whole / name).read_bytes())
+    (parts / "latest.json").write_text(json.dumps({"step": STOP, "world_size": 2}))
     resumed = launch(server.endpoint, *options, "--checkpoint-dir", str(parts), "--max-steps", str(STEPS - STOP),
                      "--resume")
     assert f"resumed at step {STOP}" in resumed
