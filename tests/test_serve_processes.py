@@ -7,6 +7,7 @@ supervisor goes, however it goes; a process that cannot start stops the rest.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import socket
@@ -131,6 +132,35 @@ def test_a_killed_process_is_started_again_and_its_client_loses_and_repeats_noth
     log = server.wait_log(rf"serving process {victim} \(pid \d+\) serves again", timeout=30)
     assert f"serving process {victim} (pid {pid}) killed by signal SIGKILL; starting it again" in log
     assert child_pids(server)[victim] != pid
+
+
+def test_a_hung_process_is_killed_and_started_again_and_new_connections_are_answered(
+    sample_dataset: Path, start_serve
+) -> None:
+    """A serving process that stops running but lives (stopped here; deadlocked alike) still holds
+    its share of the port: the kernel would go on handing it connections nobody answers. Its
+    serving loop is not heard any more (5 heartbeats, at least 3 s), so it is killed and started
+    again; the other one, idle all along, is left alone."""
+    server = start_serve(sample_dataset, *ARGS, "--processes", "2")
+    pids = child_pids(server)
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        log = server.wait_log(r"serving process 1 \(pid \d+\) serves again", timeout=30)
+    finally:
+        try:
+            os.kill(pids[1], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    silent = re.search(rf"serving process 1 \(pid {pids[1]}\) has not run its serving loop for ([\d.]+) s", log)
+    assert silent and 3.0 <= float(silent.group(1)) < 10.0, log
+    assert f"serving process 1 (pid {pids[1]}) hung, and killed by signal SIGKILL; starting it again" in log
+    assert child_pids(server)[0] == pids[0] and "serving process 0 (pid" not in log.split("started (pid")[-1]
+    # Every connection is answered again: 12 clients over TCP, each reading its share without once
+    # reconnecting (a client that met a mute process would, after 3 silent heartbeats).
+    for rank in range(12):
+        with ServerDataStream(("sample_id",), endpoints=[server.endpoint], rank=rank, world_size=12, timeout=30,
+                              local=False) as s:
+            assert sum(1 for _ in s.get_epoch_iterator()) == 17 and s.reconnects == 0, rank  # 8000 rows / 12 / 40
 
 
 def test_the_processes_stop_with_their_supervisor_whether_terminated_or_killed(sample_dataset: Path, start_serve) -> None:

@@ -81,7 +81,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                             "them; default: 10 x --heartbeat, at least 30")
     # Given by the supervisor of --processes N to each serving process it starts (not for people).
     serve.add_argument("--serving-process", type=non_negative_int, default=None, help=argparse.SUPPRESS)
-    serve.add_argument("--supervisor-pipe", type=non_negative_int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--supervisor-link", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--serving-group", default=None, help=argparse.SUPPRESS)
     storage = serve.add_argument_group("remote datasets (DATASET as s3://bucket/prefix, file://...)")
     storage.add_argument("--cache-dir", metavar="DIR", default=None,
@@ -141,16 +141,26 @@ def _describe(info: dict) -> str:
     return f"{info['files']} files, {info['row_groups']} row groups"
 
 
-def _stop_with_supervisor(server, fd: int, group: str | None) -> None:
-    """Stop serving once the supervisor that started this process is gone (its end of the pipe
-    closes however it ends, kill -9 included), and remove the folder it shared with its siblings."""
-    import os
+def _answer_to_supervisor(server, fd: int, group: str | None) -> None:
+    """Over the link to the supervisor that started this process: say at every turn of the serving
+    loop that it runs (one not heard for long is hung, and killed), and stop serving once the
+    supervisor is gone (its end closes however it ends, kill -9 included), removing the folder it
+    shared with its siblings."""
     import shutil
+    import socket
     import threading
+
+    link = socket.socket(fileno=fd)
+
+    def beat() -> None:
+        try:
+            link.send(b".", socket.MSG_DONTWAIT)
+        except OSError:  # (full: the supervisor has plenty to read; gone: the watch below stops us)
+            pass
 
     def watch() -> None:
         try:
-            while os.read(fd, 4096):
+            while link.recv(4096):
                 pass
         except OSError:
             pass
@@ -159,6 +169,7 @@ def _stop_with_supervisor(server, fd: int, group: str | None) -> None:
             shutil.rmtree(group, ignore_errors=True)  # (the supervisor would have, had it stopped)
 
     threading.Thread(target=watch, name="fuelline-supervisor-watch", daemon=True).start()
+    server.on_turn = beat
 
 
 def _run_processes(args: argparse.Namespace) -> int:
@@ -177,7 +188,7 @@ def _run_processes(args: argparse.Namespace) -> int:
 
     command_line = getattr(args, "command_line", None) or sys.argv[1:]  # (main() records it)
     with ServingProcesses(command_line, args.processes, args.host, args.port,
-                          metrics=args.metrics_port is not None) as processes:
+                          metrics=args.metrics_port is not None, heartbeat=args.heartbeat) as processes:
         def on_signal(signum, frame) -> None:
             processes.request_stop()
 
@@ -254,8 +265,8 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:  # (a full /dev/shm, say): serve, offering only this process's own socket
             log.warning("cannot tell the other serving processes of this one's Unix socket (%s): clients on this "
                         "host that reach it over TCP stay with it", exc)
-    if args.supervisor_pipe is not None:
-        _stop_with_supervisor(server, args.supervisor_pipe, args.serving_group)
+    if args.supervisor_link is not None:
+        _answer_to_supervisor(server, args.supervisor_link, args.serving_group)
     try:
         serve_until_signalled(server)
     finally:

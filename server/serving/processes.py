@@ -14,14 +14,19 @@ This process, the supervisor, serves nothing. It:
 
 * holds the port (bound, not listening), so that it stays theirs while one of them restarts;
 * starts each as ``fuelline serve`` with the same arguments and ``--processes 1``, in a session
-  of its own (a Ctrl-C in the terminal reaches the supervisor, which passes it on), with a pipe
-  whose end tells it that the supervisor is gone, however it died: it then stops;
+  of its own (a Ctrl-C in the terminal reaches the supervisor, which passes it on), with a link
+  (a Unix socket pair) whose end tells it that the supervisor is gone, however it died: it then
+  stops;
 * prints ``serving on tcp://HOST:PORT`` once every process serves; one that exits before it
   serves (a bad dataset, a port taken) stops them all, with its own error above in the log;
 * gives them a folder (mode 700) where each publishes its Unix socket, so that a client on the
   host is dealt to the processes in turn rather than by the kernel's hash (``local_group``);
 * starts again a process that dies (a signal, a crash, the OOM killer), saying which and how; more
   than ``MAX_RESTARTS`` within ``RESTART_WINDOW`` seconds stop everything, exit status 1;
+* kills, and so starts again, a process that serves no more while it lives (stopped, deadlocked):
+  each process's serving loop says it runs over the same link, at every turn, and one silent for
+  ``hang_after`` seconds is hung. A hung process still holds its share of the port, and the kernel
+  would go on handing it new connections that nobody answers;
 * on SIGTERM or SIGINT, passes SIGTERM on, waits for every process to say Bye to its clients and
   exit, and exits 0 if they all did.
 
@@ -38,6 +43,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -60,6 +66,10 @@ log = logging.getLogger("fuelline.server")
 
 MAX_RESTARTS = 5  # within RESTART_WINDOW seconds: more is a crash loop, not bad luck
 RESTART_WINDOW = 60.0
+# A serving loop turns at least every quarter heartbeat (and 0.25 s); one not heard for this many
+# heartbeats, and at least HANG_MIN seconds, is hung. Its clients gave up on it after three.
+HANG_HEARTBEATS = 5
+HANG_MIN = 3.0
 STOP_TIMEOUT = 20.0  # seconds the processes get to say Bye and exit after SIGTERM
 
 # What a serving process started by a supervisor prints on stdout once its metrics are served.
@@ -77,10 +87,15 @@ class _Child:
     index: int
     process: subprocess.Popen
     pidfd: int
-    pipe_w: int  # the supervisor's end of the pipe whose end of file stops the process
+    # The supervisor's end of the link whose end of file stops the process, and on which the
+    # process's serving loop says it runs.
+    link: socket.socket
     ready: threading.Event = field(default_factory=threading.Event)
     restarted: bool = False  # started again after a death
     metrics_port: int | None = None
+    last_heard: float = field(default_factory=time.monotonic)
+    link_open: bool = True
+    hung: bool = False
 
 
 class ServingProcesses:
@@ -92,13 +107,17 @@ class ServingProcesses:
         count: how many processes.
         host, port: where they listen; port 0 picks a free one.
         metrics: whether each serves metrics (on a loopback port of its own, for the supervisor).
+        heartbeat: the processes' heartbeat interval (``--heartbeat``), which sets how long a
+            process may go unheard before it counts as hung.
     """
 
-    def __init__(self, argv: Sequence[str], count: int, host: str, port: int, metrics: bool = False) -> None:
+    def __init__(self, argv: Sequence[str], count: int, host: str, port: int, metrics: bool = False,
+                 heartbeat: float = 1.0) -> None:
         self.argv = list(argv)
         self.count = count
         self.host = host
         self.metrics = metrics
+        self.hang_after = max(HANG_MIN, HANG_HEARTBEATS * heartbeat)
         self.restarts = 0
         self._deaths: deque[float] = deque()
         self._children: dict[int, _Child] = {}
@@ -124,21 +143,24 @@ class ServingProcesses:
         return {k: c.process.pid for k, c in sorted(self._children.items())}
 
     # -- starting ------------------------------------------------------------------------------
-    def _command(self, index: int, pipe_r: int) -> list[str]:
+    def _command(self, index: int, link: int) -> list[str]:
         extra = ["--processes", "1", "--port", str(self.port), "--serving-process", str(index),
-                 "--supervisor-pipe", str(pipe_r), "--serving-group", self.group]
+                 "--supervisor-link", str(link), "--serving-group", self.group]
         if self.metrics:
             extra += ["--metrics-port", "0", "--metrics-host", "127.0.0.1"]
         return [sys.executable, "-m", "fuelline.server.cli", *self.argv, *extra]
 
     def _spawn(self, index: int, restarted: bool = False) -> _Child:
-        pipe_r, pipe_w = os.pipe()
+        ours, theirs = socket.socketpair()
         try:
-            process = subprocess.Popen(self._command(index, pipe_r), stdout=subprocess.PIPE, text=True,
-                                       pass_fds=(pipe_r,), start_new_session=True)
+            process = subprocess.Popen(self._command(index, theirs.fileno()), stdout=subprocess.PIPE, text=True,
+                                       pass_fds=(theirs.fileno(),), start_new_session=True)
+        except BaseException:
+            ours.close()
+            raise
         finally:
-            os.close(pipe_r)
-        child = _Child(index, process, os.pidfd_open(process.pid), pipe_w, restarted=restarted)
+            theirs.close()
+        child = _Child(index, process, os.pidfd_open(process.pid), ours, restarted=restarted)
         self._children[index] = child
         threading.Thread(target=self._read_stdout, args=(child, process.stdout), daemon=True,
                          name=f"fuelline-process-{index}-stdout").start()
@@ -150,6 +172,7 @@ class ServingProcesses:
         assert out is not None
         for line in out:
             if parse_ready_line(line) is not None and not child.ready.is_set():
+                child.last_heard = time.monotonic()
                 child.ready.set()
                 if child.restarted:
                     log.info("serving process %d (pid %d) serves again", child.index, child.process.pid)
@@ -198,8 +221,9 @@ class ServingProcesses:
         """Wait for a process to exit, a wake-up (stop, a process ready) or ``timeout``; returns
         the processes that exited, reaped."""
         fds = {c.pidfd: c for c in self._children.values()}
+        links = {c.link.fileno(): c for c in self._children.values() if c.link_open}
         try:
-            readable, _, _ = select.select([self._stop_r, *fds], [], [], timeout)
+            readable, _, _ = select.select([self._stop_r, *fds, *links], [], [], timeout)
         except InterruptedError:
             readable = []
         if self._stop_r in readable:
@@ -207,6 +231,15 @@ class ServingProcesses:
                 os.read(self._stop_r, 4096)
             except BlockingIOError:
                 pass
+        for fd in readable:
+            if (heard := links.get(fd)) is not None:
+                try:
+                    heard.link_open = bool(heard.link.recv(4096, socket.MSG_DONTWAIT))  # (end of file: it exits)
+                    heard.last_heard = time.monotonic()
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    heard.link_open = False
         dead = []
         for fd in readable:
             child = fds.get(fd)
@@ -217,27 +250,43 @@ class ServingProcesses:
                 except OSError:
                     pass
                 os.close(child.pidfd)
-                os.close(child.pipe_w)
+                child.link.close()
                 del self._children[child.index]
                 dead.append(child)
         return dead
+
+    def _kill_hung(self) -> None:
+        """Kill every serving process whose serving loop has not been heard for ``hang_after``
+        seconds: its death, noticed as any other, starts it again."""
+        now = time.monotonic()
+        for child in self._children.values():
+            silent = now - child.last_heard
+            if child.ready.is_set() and not child.hung and silent > self.hang_after:
+                log.error("serving process %d (pid %d) has not run its serving loop for %.1f s: it is hung, and "
+                          "connections the kernel hands it go unanswered; killing it", child.index,
+                          child.process.pid, silent)
+                child.hung = True
+                child.process.kill()
 
     def run(self) -> int:
         """Supervise until ``request_stop``; returns the exit status (0: every process stopped
         when told to)."""
         print(ready_line(self.endpoint), flush=True)
         while not self._stopping:
-            for child in self._wait():
+            for child in self._wait(self.hang_after / 4):
                 if self._stopping:
                     break
                 if not self._restart(child):
                     self._stop_all()
                     return 1
+            self._kill_hung()
         return self._stop_all()
 
     def _restart(self, child: _Child) -> bool:
         """Start a process that died again; False once they die too often."""
         how = describe_exit(child.process.returncode)
+        if child.hung:
+            how = f"hung, and {how}"
         now = time.monotonic()
         self._deaths.append(now)
         while self._deaths and now - self._deaths[0] > RESTART_WINDOW:
@@ -271,7 +320,7 @@ class ServingProcesses:
                     child.process.kill()
                     child.process.wait()
                     os.close(child.pidfd)
-                    os.close(child.pipe_w)
+                    child.link.close()
                     del self._children[child.index]
                 return 1
             for child in self._wait(left):

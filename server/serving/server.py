@@ -136,6 +136,9 @@ class Server(Listener):
         # Which Unix socket a Hello over TCP is offered (``fuelline.server.serving.local_group``):
         # another serving process's, in turn; None: this server's own.
         self.local_offer: Callable[[Mapping[str, str]], Mapping[str, str]] | None = None
+        # Called at every turn of the serving loop, at least every quarter heartbeat (a supervisor
+        # hears from it that this process still serves).
+        self.on_turn: Callable[[], None] | None = None
         # Sessions whose peer was gone when a send reached it: dropped once what it sent last
         # (a Bye, say, queued before its connection closed) has been read.
         self._vanished: dict[bytes, Session] = {}
@@ -182,6 +185,8 @@ class Server(Listener):
                 if now >= next_tick:
                     self._keepalive(now)
                     next_tick = now + tick
+                    if self.on_turn is not None:
+                        self.on_turn()
                 if self._vanished:
                     self._drain_requests(router)
                     for rid, session in self._vanished.items():
