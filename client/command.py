@@ -29,6 +29,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     stream.add_argument("--rank", type=int, default=0, help="read this rank's share")
     stream.add_argument("--world-size", type=positive_int, default=1, help="of this many ranks")
     stream.add_argument("--hwm", type=positive_int, default=10, help="batches prefetched")
+    stream.add_argument("--connections", type=positive_int, default=1, metavar="N",
+                        help="connections to each data server, each a session that serves a disjoint part of the share; "
+                             "give a server of --processes N N, so that every one of its processes prepares part of the batches")
     stream.add_argument("--timeout", type=seconds, default=60.0, help="seconds to keep trying a silent server")
     stream.add_argument("--connect-timeout", type=seconds, default=10.0, metavar="SECONDS",
                         help="seconds to keep trying a server that refuses the connection (nothing listens at "
@@ -120,8 +123,8 @@ def _read(args: argparse.Namespace, ctrl_c: _CtrlC) -> int:
     from fuelline.client import ServerDataStream
 
     with ServerDataStream(
-        endpoints=args.endpoint, split=args.split, rank=args.rank, world_size=args.world_size,
-        hwm=args.hwm, timeout=args.timeout, connect_timeout=args.connect_timeout, curve_keys=args.curve_keys,
+        endpoints=args.endpoint, connections=args.connections, split=args.split, rank=args.rank,
+        world_size=args.world_size, hwm=args.hwm, timeout=args.timeout, connect_timeout=args.connect_timeout, curve_keys=args.curve_keys,
     ) as stream:
         info = stream.info  # (every server's Welcome: what they left out at start-up is known before reading)
         for epoch in range(args.epochs):

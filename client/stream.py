@@ -62,6 +62,12 @@ class ServerDataStream:
             options, each serves a disjoint part of this reader's share; batch k of an epoch
             comes from server k mod E, so the order is deterministic, and each server's connection
             reconnects and resumes on its own. ``hwm`` is shared among them.
+        connections: connections to each server, each a session of its own that serves a
+            disjoint part of this reader's share, as another server would. For a server of
+            several serving processes (``fuelline serve --processes N``), N: each process then
+            prepares part of this reader's batches (a reader on the server's host is dealt to the
+            processes in turn; one on another host lands where the kernel's hash puts each
+            connection). A server of one process gains nothing from more than one.
         timeout: seconds to keep trying to reach a silent or absent server before raising
             ``ServerUnavailable``.
         connect_timeout: seconds to keep trying a server that refuses the connection (nothing
@@ -111,6 +117,7 @@ class ServerDataStream:
         world_size: int | None = None,
         split: str = "train",
         endpoints: Sequence[str] | None = None,
+        connections: int = 1,
         timeout: float = 60.0,
         connect_timeout: float = 10.0,
         heartbeat: float = 1.0,
@@ -143,9 +150,13 @@ class ServerDataStream:
             endpoints = [e for e in endpoints.split(",") if e]
         if not endpoints:
             raise ValueError("endpoints must name at least one HOST:PORT")
-        self.endpoints = tuple(tcp_endpoint(e) for e in endpoints)
-        if len(set(self.endpoints)) != len(self.endpoints):
+        servers = tuple(tcp_endpoint(e) for e in endpoints)
+        if len(set(servers)) != len(servers):
             raise ValueError(f"endpoints {list(endpoints)} name a server twice")
+        if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+            raise ValueError(f"connections must be a whole number >= 1, got {connections!r}")
+        # One entry per connection: a server read over two connections is read as two servers.
+        self.endpoints = tuple(e for e in servers for _ in range(connections))
         self.endpoint = self.endpoints[0]
         self.split = split
         self.hwm = hwm

@@ -134,6 +134,37 @@ def test_a_killed_process_is_started_again_and_its_client_loses_and_repeats_noth
     assert child_pids(server)[victim] != pid
 
 
+def test_one_reader_with_a_connection_to_each_process_is_served_by_both(sample_dataset: Path, start_serve) -> None:
+    """``connections=2`` to a server of two processes: the reader's two sessions are dealt one to
+    each process, and it reads what it reads from a server of one process over two connections."""
+    single = start_serve(sample_dataset, *ARGS)
+    server = start_serve(sample_dataset, *ARGS, "--processes", "2", "--metrics-port", "0")
+    metrics_port = int(re.search(r"on http://127.0.0.1:(\d+)/metrics", server.log()).group(1))
+    got = read_epoch(server.endpoint, connections=2, hwm=4)
+    assert got == read_epoch(single.endpoint, connections=2, hwm=4)
+    alone = read_epoch(single.endpoint)  # one connection: the same windows, every one once
+    assert sorted(x for b in got for x in b) == sorted(x for b in alone for x in b)
+    text = metrics(metrics_port)
+    # Each process placed one connection's half of the batches (and what it read ahead).
+    assert all(sample(text, "fuelline_batches_shared_total", process=str(k)) >= len(got) // 2 for k in range(2))
+
+    # Stopped half-way, it goes on over one connection: nothing lost or repeated.
+    with ServerDataStream(("sample_id",), endpoints=[server.endpoint], connections=2, hwm=4, timeout=30) as s:
+        it = s.get_epoch_iterator()
+        first = [next(it)[0].tolist() for _ in range(len(got) // 2 + 1)]
+        state = s.state_dict()
+    with ServerDataStream(("sample_id",), endpoints=[server.endpoint], timeout=30) as s:
+        s.load_state_dict(state)
+        rest = [b[0].tolist() for b in s.get_epoch_iterator()]
+    assert sorted(x for b in first + rest for x in b) == sorted(x for b in alone for x in b)
+
+
+@pytest.mark.parametrize("connections", [0, -1, 1.5, True])
+def test_connections_must_be_a_whole_number_of_at_least_one(connections) -> None:
+    with pytest.raises(ValueError, match="connections must be a whole number >= 1"):
+        ServerDataStream(("sample_id",), endpoints=["127.0.0.1:1"], connections=connections)
+
+
 def test_a_hung_process_is_killed_and_started_again_and_new_connections_are_answered(
     sample_dataset: Path, start_serve
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,10 @@ def test_repeated_launches_under_load_never_abort(dataset: Path, start_serve, tm
     try:
         for launch in range(LAUNCHES):
             log, ck = tmp_path / f"ids{launch}", tmp_path / f"ck{launch}"
+            # Every other launch reads over two connections to the server (--connections).
+            connections = ("--connections", "2") if launch % 2 else ()
             result = subprocess.run(torchrun_args(server.endpoint, "--epochs", "1", "--max-steps", "3",
-                                                  "--sample-log", str(log), "--checkpoint-dir", str(ck)),
+                                                  "--sample-log", str(log), "--checkpoint-dir", str(ck), *connections),
                                     capture_output=True, text=True, timeout=120)
             if result.returncode != 0 or ABORT in result.stderr:
                 failures.append((launch, result.returncode, result.stderr[-1500:]))
@@ -51,3 +54,5 @@ def test_repeated_launches_under_load_never_abort(dataset: Path, start_serve, tm
         burner.kill()
         burner.wait(10)
     assert not failures, f"{len(failures)} of {LAUNCHES} launches failed: {failures}"
+    # Two ranks over two connections each are four sessions of a world of 4, the last being rank 3.
+    assert re.search(r"client \S+: rank 3 of 4, split 'train'", server.log())

@@ -222,6 +222,13 @@ def test_cli_log_options() -> None:
         parse_args(["--servers", "h:1", "--log-format", "xml"])
 
 
+def test_cli_connections_must_be_at_least_one() -> None:
+    assert parse_args(["--servers", "h:1"]).connections == 1
+    assert parse_args(["--servers", "h:1", "--connections", "2"]).connections == 2
+    with pytest.raises(SystemExit):
+        parse_args(["--servers", "h:1", "--connections", "0"])
+
+
 # -- a real run --------------------------------------------------------------------------------------
 TEXT_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ fuelline")
 

@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                    help="the data servers; with several, each serves a disjoint part of every rank's share "
                         "(start them with the same dataset and options)")
+    p.add_argument("--connections", type=int, default=1, metavar="N",
+                   help="connections to each data server, each a session that serves a disjoint part of the share; "
+                        "give a server of --processes N N, so that every one of its processes prepares part of the batches (default: 1)")
     p.add_argument("--epochs", type=int, default=10, help="epochs to train (a resumed run counts the ones done)")
     p.add_argument("--compression", choices=["none", "fp16", "onebit"], default="none",
                    help="what crosses the ranks: fp32 or fp16 gradients, or (onebit) the optimizer's momentum in "
@@ -94,6 +97,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not servers or len(set(servers)) != len(servers):
         p.error(f"--servers: give each data server once, got {args.servers!r}")
     args.servers = servers
+    if args.connections < 1:
+        p.error(f"--connections must be >= 1, got {args.connections}")
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
     if args.epochs < 1:

@@ -68,8 +68,8 @@ class Trainer:
         torch.manual_seed(args.seed)
         # A data server may still be opening its dataset when the ranks start (a Kubernetes Job beside
         # its StatefulSet): refused connections are waited for as long as a silent server.
-        common = dict(endpoints=args.servers, rank=rank, world_size=world, hwm=args.hwm, timeout=args.timeout,
-                      connect_timeout=args.timeout, tensors=True, curve_keys=args.curve_keys)
+        common = dict(endpoints=args.servers, connections=args.connections, rank=rank, world_size=world, hwm=args.hwm,
+                      timeout=args.timeout, connect_timeout=args.timeout, tensors=True, curve_keys=args.curve_keys)
         self.train = ServerDataStream(None, split="train", **common)
         self.val = ServerDataStream(None, split="val", **common)
         info = self.train.info
