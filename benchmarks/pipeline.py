@@ -57,6 +57,9 @@ SERVED_KEPT = "fuelline serve, decoded units kept"
 # from server k mod 2): a server process prepares batches on one core at most (Python's lock), so
 # a host that has cores to spare feeds a client faster from two.
 SERVED_TWO = "fuelline serve ×2"
+# One server of two serving processes (``--processes 2``), its one client reading over a connection
+# to each (``connections=2``): the same split of the work as two servers, behind one port.
+SERVED_PROCS = "fuelline serve --processes 2, 2 connections"
 
 
 def sizes(quick: bool) -> dict[str, Any]:
@@ -196,12 +199,13 @@ def in_process_round(source: WindowSource, epoch: list[int], epochs: int) -> Rou
     return time_batches(batches())
 
 
-def served_round(server: ServerProcess | Sequence[ServerProcess], epochs: int) -> Round:
+def served_round(server: ServerProcess | Sequence[ServerProcess], epochs: int, connections: int = 1) -> Round:
     """One client reads ``epochs`` epochs from a server, or from several (each serves its part
-    of every batch order: ``ServerDataStream(endpoints=...)``), all their CPU counted."""
+    of every batch order: ``ServerDataStream(endpoints=...)``), over ``connections`` to each, all
+    their CPU counted (a server's serving processes included)."""
     servers = [server] if isinstance(server, ServerProcess) else list(server)
-    with ServerDataStream(None, endpoints=[f"{s.host}:{s.port}" for s in servers], hwm=HWM, timeout=TIMEOUT_S,
-                          receive_timeout=TIMEOUT_S) as stream:
+    with ServerDataStream(None, endpoints=[f"{s.host}:{s.port}" for s in servers], connections=connections, hwm=HWM,
+                          timeout=TIMEOUT_S, receive_timeout=TIMEOUT_S) as stream:
         batches = itertools.chain.from_iterable(stream.get_epoch_iterator() for _ in range(epochs))
         return time_batches(batches, producer_pid=[s.pid for s in servers])
 
@@ -236,6 +240,8 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         kept = stack.enter_context(ServerProcess(SERVED_KEPT, argv, Path(logs) / "serve-kept.log"))
         second = stack.enter_context(ServerProcess(f"{SERVED_TWO} (second)", [*argv, "--decoded-cache-mb", "0"],
                                                    Path(logs) / "serve-second.log"))
+        procs = stack.enter_context(ServerProcess(SERVED_PROCS, [*argv, "--decoded-cache-mb", "0", "--processes", "2"],
+                                                  Path(logs) / "serve-processes.log"))
         loaders = {w: make_dataloader(dataset, bs, w) for w in DL_WORKERS}
         for loader in loaders.values():
             stack.callback(close_dataloader, loader)
@@ -244,6 +250,8 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
             Contender(SERVED, lambda: _checked(served_round(server, epochs), delivered, SERVED, bs)),
             Contender(SERVED_KEPT, lambda: _checked(served_round(kept, epochs), delivered, SERVED_KEPT, bs)),
             Contender(SERVED_TWO, lambda: _checked(served_round([server, second], epochs), delivered, SERVED_TWO, bs)),
+            Contender(SERVED_PROCS, lambda: _checked(served_round(procs, epochs, connections=2), delivered,
+                                                     SERVED_PROCS, bs)),
             Contender(IN_PROCESS, lambda: _checked(in_process_round(source, epoch, epochs), delivered, IN_PROCESS, bs)),
             *(Contender(dataloader_name(w), lambda w=w: _checked(dataloader_round(loaders[w], epochs), delivered,
                                                                dataloader_name(w), bs)) for w in DL_WORKERS),
@@ -252,7 +260,8 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         mbs = Metric("MB/s", lambda r: r.bytes / r.seconds / 1e6, "{:,.0f}")
         results = alternate(contenders, rounds, lambda r: f"{wps.of(r):,.0f} windows/s")
         stack.close()
-        exits = {SERVED: server.exit_status, SERVED_KEPT: kept.exit_status, f"{SERVED_TWO} (second)": second.exit_status}
+        exits = {SERVED: server.exit_status, SERVED_KEPT: kept.exit_status, f"{SERVED_TWO} (second)": second.exit_status,
+                 SERVED_PROCS: procs.exit_status}
     medians = {name: statistics.median(wps.of(r) for r in rs) for name, rs in results.items()}
     best_dl = max((dataloader_name(w) for w in DL_WORKERS), key=medians.__getitem__)
     served_over_ref = medians[SERVED] / REFERENCE_WINDOWS_PER_S
@@ -282,6 +291,10 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         "thread of one process, which Python's interpreter lock keeps near one core whatever the host has; "
         "this is what a host with cores to spare gets by running two (`--servers host:a,host:b` for a trainer). "
         "Server CPU is both processes'.",
+        f"{SERVED_PROCS}: one `fuelline serve --processes 2` (every epoch decoded), read by one "
+        "ServerDataStream(connections=2): the client on the server's host is dealt one session to each serving "
+        "process, each serving its part of the epoch, as two servers would, behind one port. Server CPU is the "
+        "supervisor's and both serving processes'.",
         "DataLoader: IterableDataset over recordings calling WindowSource.windows and finish_batch (the same "
         "alignment, normalisation and cast), batch_size=None, the source built in each worker by worker_init_fn, "
         "persistent workers, pin_memory off, prefetch_factor 2; batches arrive as tensors (zero-copy to numpy).",
@@ -294,7 +307,9 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         "pipeline", f"pipeline — aligned AMIGOS windows delivered to a consumer ({size['recordings']} recordings)",
         results, [wps, mbs], [RatioSpec(SERVED, IN_PROCESS, 1.0), RatioSpec(SERVED, best_dl, 1.5),
                               RatioSpec(SERVED_TWO, IN_PROCESS, 1.0), RatioSpec(SERVED_TWO, best_dl, 1.5),
-                              RatioSpec(SERVED_TWO, SERVED), RatioSpec(SERVED_KEPT, IN_PROCESS)],
+                              RatioSpec(SERVED_PROCS, IN_PROCESS, 1.0), RatioSpec(SERVED_PROCS, best_dl, 1.5),
+                              RatioSpec(SERVED_TWO, SERVED), RatioSpec(SERVED_PROCS, SERVED),
+                              RatioSpec(SERVED_KEPT, IN_PROCESS)],
         parameters, notes, env, exits=exits,
         extra={"reference_windows_per_s": REFERENCE_WINDOWS_PER_S, "best_dataloader": best_dl,
                "served_over_reference": {"value": served_over_ref, "target": 20.0,
