@@ -220,6 +220,10 @@ def headlines(results_dir: Path) -> list[dict[str, Any]]:
             add("pipeline", "fuelline serve ×2 (two server processes) / in-process",
                 ratio(rec, "fuelline serve ×2 / in-process WindowSource"), 1.0)
             add("pipeline", f"fuelline serve ×2 / best DataLoader ({best})", ratio(rec, f"fuelline serve ×2 / {best}"), 1.5)
+        procs = "fuelline serve --processes 2, 2 connections"
+        if ratio(rec, f"{procs} / in-process WindowSource") is not None:
+            add("pipeline", "--processes 2, 2 connections / in-process", ratio(rec, f"{procs} / in-process WindowSource"), 1.0)
+            add("pipeline", f"--processes 2, 2 connections / best DataLoader ({best})", ratio(rec, f"{procs} / {best}"), 1.5)
         add("pipeline", "fuelline serve / 980 windows/s", rec["served_over_reference"]["value"], 20.0)
         if "kept_over_reference" in rec:
             add("pipeline", "served, decoded units kept / 980/s (not like for like)",

@@ -89,8 +89,8 @@ def test_headline_figures_are_computed(quick_run: tuple[subprocess.CompletedProc
     assert "fuelline serve / in-process WindowSource" in pipeline["ratios"]
     assert f"fuelline serve / {pipeline['best_dataloader']}" in pipeline["ratios"]
     # The targets: at least the in-process pipeline, at least 1.5 × the best DataLoader;
-    # the same two for one client reading from two servers on the host.
-    for served in ("fuelline serve", "fuelline serve ×2"):
+    # the same two for one client reading from two servers on the host, and from two processes of one.
+    for served in ("fuelline serve", "fuelline serve ×2", "fuelline serve --processes 2, 2 connections"):
         assert pipeline["ratios"][f"{served} / in-process WindowSource"]["target"] == 1.0
         assert pipeline["ratios"][f"{served} / {pipeline['best_dataloader']}"]["target"] == 1.5
     assert pipeline["served_over_reference"]["value"] > 0
