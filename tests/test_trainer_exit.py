@@ -18,7 +18,7 @@ from fuelline.server.ingest.synth import synthesize  # noqa: E402
 from support.trainer import lines, torchrun_args  # noqa: E402
 
 ABORT = "terminate called"
-LAUNCHES = 8
+LAUNCHES = 4  # (the abort this guards against never reproduced here, in 50 launches on the code before its fix)
 
 
 @pytest.fixture(scope="module")
