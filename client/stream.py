@@ -67,7 +67,9 @@ class ServerDataStream:
             several serving processes (``fuelline serve --processes N``), N: each process then
             prepares part of this reader's batches (a reader on the server's host is dealt to the
             processes in turn; one on another host lands where the kernel's hash puts each
-            connection). A server of one process gains nothing from more than one.
+            connection). A server of one process gains nothing from more than one. As between
+            ranks, every connection gets the same number of batches: an epoch that does not
+            divide among them is padded by wrapping, as it would be among N servers.
         timeout: seconds to keep trying to reach a silent or absent server before raising
             ``ServerUnavailable``.
         connect_timeout: seconds to keep trying a server that refuses the connection (nothing
