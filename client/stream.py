@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from typing import Any, Iterator, Mapping, Sequence
@@ -24,6 +25,8 @@ from fuelline.protocol import DEFAULT_LIMITS, Hello, Limits
 from fuelline.protocol.common.endpoints import tcp_endpoint
 
 __all__ = ["ServerDataStream"]
+
+log = logging.getLogger("fuelline.client")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -365,13 +368,30 @@ class ServerDataStream:
         if not self._checked:
             check_agreement(self.endpoints, welcomes)
             self._checked = True
+            self._hint_connections(welcomes)
         return welcomes[0]
+
+    def _hint_connections(self, welcomes: Sequence[Any]) -> None:
+        """Say (once, from rank 0) where a server has more serving processes than all the ranks'
+        connections to it: some of its processes then prepare none of the job's batches."""
+        per_server = len(self.endpoints) // len(set(self.endpoints))
+        processes = max((w.info or {}).get("serving_processes", 1) for w in welcomes)
+        sessions = self.world_size * per_server
+        if self.rank == 0 and isinstance(processes, int) and processes > sessions:
+            log.info("the data server has %d serving processes, and %d rank(s) read it over %d connection(s) each: "
+                     "%d of its processes prepare none of these batches; connections=%d (--connections) would have "
+                     "each prepare a part", processes, self.world_size, per_server, processes - sessions,
+                     -(-processes // self.world_size))
 
     def _take(self, cursor: int, wait: bool = True) -> tuple[Connection, Item | None]:
         conns = self._connections()
         if len(conns) > 1 and not self._checked:
             self._welcome()
-        return take_in_turn(conns, cursor, self._stream, self.receive_timeout, wait)
+        taken = take_in_turn(conns, cursor, self._stream, self.receive_timeout, wait)
+        if not self._checked and conns[0].welcome is not None:  # (one server: nothing to compare)
+            self._checked = True
+            self._hint_connections([conns[0].welcome])
+        return taken
 
     def _receive(self, cursor: int, wait: bool = True) -> tuple[Item, Any] | None:
         """Item ``cursor`` of the epoch, taken from its server (its credit given back) with its

@@ -7,6 +7,7 @@ supervisor goes, however it goes; a process that cannot start stops the rest.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -157,6 +158,26 @@ def test_one_reader_with_a_connection_to_each_process_is_served_by_both(sample_d
         s.load_state_dict(state)
         rest = [b[0].tolist() for b in s.get_epoch_iterator()]
     assert sorted(x for b in first + rest for x in b) == sorted(x for b in alone for x in b)
+
+
+def test_a_reader_with_fewer_connections_than_processes_is_told(sample_dataset: Path, start_serve, caplog) -> None:
+    several = start_serve(sample_dataset, *ARGS, "--processes", "2")
+    single = start_serve(sample_dataset, *ARGS)
+    caplog.set_level(logging.INFO, logger="fuelline.client")
+    hint = ("the data server has 2 serving processes, and 1 rank(s) read it over 1 connection(s) each: 1 of its "
+            "processes prepare none of these batches; connections=2")
+    with ServerDataStream(("sample_id",), endpoints=[several.endpoint], timeout=30) as s:
+        next(iter(s.get_epoch_iterator()))  # (told from the first batch: the info need not be asked for)
+        assert caplog.text.count(hint) == 1
+        assert s.info["serving_processes"] == 2
+    assert caplog.text.count(hint) == 1  # once
+    caplog.clear()
+    for endpoint, kw in ((several.endpoint, {"connections": 2}), (several.endpoint, {"rank": 0, "world_size": 2}),
+                         (single.endpoint, {})):
+        with ServerDataStream(("sample_id",), endpoints=[endpoint], timeout=30, **kw) as s:
+            next(iter(s.get_epoch_iterator()))
+            assert ("serving_processes" in s.info) == (endpoint == several.endpoint)
+    assert "serving processes" not in caplog.text
 
 
 @pytest.mark.parametrize("connections", [0, -1, 1.5, True])

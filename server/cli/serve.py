@@ -81,6 +81,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                             "them; default: 10 x --heartbeat, at least 30")
     # Given by the supervisor of --processes N to each serving process it starts (not for people).
     serve.add_argument("--serving-process", type=non_negative_int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--serving-processes", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--supervisor-link", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--serving-group", default=None, help=argparse.SUPPRESS)
     storage = serve.add_argument_group("remote datasets (DATASET as s3://bucket/prefix, file://...)")
@@ -265,6 +266,8 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:  # (a full /dev/shm, say): serve, offering only this process's own socket
             log.warning("cannot tell the other serving processes of this one's Unix socket (%s): clients on this "
                         "host that reach it over TCP stay with it", exc)
+    if args.serving_processes is not None:
+        server.serving_processes = args.serving_processes
     if args.supervisor_link is not None:
         _answer_to_supervisor(server, args.supervisor_link, args.serving_group)
     try:

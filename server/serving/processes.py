@@ -145,6 +145,7 @@ class ServingProcesses:
     # -- starting ------------------------------------------------------------------------------
     def _command(self, index: int, link: int) -> list[str]:
         extra = ["--processes", "1", "--port", str(self.port), "--serving-process", str(index),
+                 "--serving-processes", str(self.count),
                  "--supervisor-link", str(link), "--serving-group", self.group]
         if self.metrics:
             extra += ["--metrics-port", "0", "--metrics-host", "127.0.0.1"]

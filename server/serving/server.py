@@ -139,6 +139,9 @@ class Server(Listener):
         # Called at every turn of the serving loop, at least every quarter heartbeat (a supervisor
         # hears from it that this process still serves).
         self.on_turn: Callable[[], None] | None = None
+        # How many serving processes share this one's port (``--processes``): told to clients in
+        # the Welcome's info, so that a reader with fewer connections can say so.
+        self.serving_processes = 1
         # Sessions whose peer was gone when a send reached it: dropped once what it sent last
         # (a Bye, say, queued before its connection closed) has been read.
         self._vanished: dict[bytes, Session] = {}
@@ -359,7 +362,8 @@ class Server(Listener):
             schema={k: schema[k] for k in wanted},
             batches_per_epoch=src.batches_per_epoch(hello.split, hello.rank, hello.world_size),
             heartbeat=self.heartbeat,
-            info=dict(src.info(hello.split)),
+            info={**src.info(hello.split), **({"serving_processes": self.serving_processes}
+                                              if self.serving_processes > 1 else {})},
             local=self.local if peer == LOCAL or self.local is None or self.local_offer is None
             else self.local_offer(self.local),
             # A source without one (a Fuel-style stream) leaves its clients nothing to hold to.
