@@ -28,6 +28,10 @@ __all__ = ["ServerDataStream"]
 
 log = logging.getLogger("fuelline.client")
 
+# Servers (as a tuple of endpoints) whose readers were already told they have fewer connections
+# than serving processes: once a process (a trainer's train, val and label streams read the same).
+_TOLD: set[tuple[str, ...]] = set()
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
@@ -372,12 +376,14 @@ class ServerDataStream:
         return welcomes[0]
 
     def _hint_connections(self, welcomes: Sequence[Any]) -> None:
-        """Say (once, from rank 0) where a server has more serving processes than all the ranks'
-        connections to it: some of its processes then prepare none of the job's batches."""
+        """Say (once a process, from rank 0) where a server has more serving processes than all the
+        ranks' connections to it: some of its processes then prepare none of the job's batches."""
         per_server = len(self.endpoints) // len(set(self.endpoints))
         processes = max((w.info or {}).get("serving_processes", 1) for w in welcomes)
         sessions = self.world_size * per_server
-        if self.rank == 0 and isinstance(processes, int) and processes > sessions:
+        told = tuple(sorted(set(self.endpoints)))
+        if self.rank == 0 and isinstance(processes, int) and processes > sessions and told not in _TOLD:
+            _TOLD.add(told)
             log.info("the data server has %d serving processes, and %d rank(s) read it over %d connection(s) each: "
                      "%d of its processes prepare none of these batches; connections=%d (--connections) would have "
                      "each prepare a part", processes, self.world_size, per_server, processes - sessions,
