@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 from fuelline.protocol import DataError, FingerprintMismatch
 
-__all__ = ["check_agreement", "option_differences", "left_out_at_start"]
+__all__ = ["check_agreement", "option_differences", "left_out_at_start", "idle_processes"]
 
 # The parts of a sequence fingerprint (and of a Welcome's info) that a `fuelline serve` option
 # sets, with that option. The other parts (files, manifest, recordings) are the dataset's.
@@ -78,6 +78,21 @@ def check_agreement(endpoints: Sequence[str], welcomes: Sequence[Any]) -> None:
                 raise DataError(f"{context}{key} is {getattr(first, key)!r:.200} at {endpoints[0]} and "
                                 f"{getattr(w, key)!r:.200} at {endpoint}; start every server of a reader with "
                                 "the same dataset and options")
+
+
+def idle_processes(endpoints: Sequence[str], welcomes: Sequence[Any], world_size: int) -> str:
+    """What to tell a reader (one entry per connection in ``endpoints``, a server's repeated for
+    each of its connections) whose ranks hold fewer connections in all to a server than it has
+    serving processes (``fuelline serve --processes``): some of those then prepare none of the
+    job's batches. "" when every process can have a part."""
+    per_server = len(endpoints) // len(set(endpoints))
+    processes = max((w.info or {}).get("serving_processes", 1) for w in welcomes)
+    sessions = world_size * per_server
+    if not isinstance(processes, int) or processes <= sessions:
+        return ""
+    return (f"the data server has {processes} serving processes, and {world_size} rank(s) read it over {per_server} "
+            f"connection(s) each: {processes - sessions} of its processes prepare none of these batches; "
+            f"connections={-(-processes // world_size)} (--connections) would have each prepare a part")
 
 
 def left_out_at_start(info: Mapping[str, Any]) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import zmq
 
-from fuelline.client.agreement import check_agreement, left_out_at_start
+from fuelline.client.agreement import check_agreement, idle_processes, left_out_at_start
 from fuelline.client.checkpoint import (
     STATE_FORMAT as STATE_FORMAT,  # (re-exported: it was defined here)
     position_state,
@@ -378,16 +378,12 @@ class ServerDataStream:
     def _hint_connections(self, welcomes: Sequence[Any]) -> None:
         """Say (once a process, from rank 0) where a server has more serving processes than all the
         ranks' connections to it: some of its processes then prepare none of the job's batches."""
-        per_server = len(self.endpoints) // len(set(self.endpoints))
-        processes = max((w.info or {}).get("serving_processes", 1) for w in welcomes)
-        sessions = self.world_size * per_server
         told = tuple(sorted(set(self.endpoints)))
-        if self.rank == 0 and isinstance(processes, int) and processes > sessions and told not in _TOLD:
-            _TOLD.add(told)
-            log.info("the data server has %d serving processes, and %d rank(s) read it over %d connection(s) each: "
-                     "%d of its processes prepare none of these batches; connections=%d (--connections) would have "
-                     "each prepare a part", processes, self.world_size, per_server, processes - sessions,
-                     -(-processes // self.world_size))
+        if self.rank == 0 and told not in _TOLD:
+            hint = idle_processes(self.endpoints, welcomes, self.world_size)
+            if hint:
+                _TOLD.add(told)
+                log.info("%s", hint)
 
     def _take(self, cursor: int, wait: bool = True) -> tuple[Connection, Item | None]:
         conns = self._connections()
