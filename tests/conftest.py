@@ -4,6 +4,7 @@ pools. The helpers behind them are in tests/support/."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import textwrap
 import threading
@@ -13,12 +14,27 @@ from typing import Iterator
 import pytest
 import zmq
 
+from fuelline.protocol.common.logs import StderrHandler
 from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.synth import synthesize
 from fuelline.server.sources.sample import write_sample_dataset
 from fuelline.server.workers.pool import WorkerPool
 
 from support.processes import ServerProcess
+
+
+@pytest.fixture(autouse=True)
+def _logging_left_as_found() -> Iterator[None]:
+    """A test that runs a command in this process (``main([...])``) configures logging as the
+    command does; its handler, which writes to whatever stderr is at the moment, would otherwise
+    stay, and print the records of later tests' server threads to the terminal between tests."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if isinstance(handler, StderrHandler) and handler not in before:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
