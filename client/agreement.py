@@ -86,9 +86,11 @@ def idle_processes(endpoints: Sequence[str], welcomes: Sequence[Any], world_size
     serving processes (``fuelline serve --processes``): some of those then prepare none of the
     job's batches. "" when every process can have a part."""
     per_server = len(endpoints) // len(set(endpoints))
-    processes = max((w.info or {}).get("serving_processes", 1) for w in welcomes)
+    said = [(w.info or {}).get("serving_processes") for w in welcomes]
+    # (A server's word only: anything but a whole number is not taken, and nothing fails on it.)
+    processes = max([n for n in said if type(n) is int] or [1])
     sessions = world_size * per_server
-    if not isinstance(processes, int) or processes <= sessions:
+    if processes <= sessions:
         return ""
     return (f"the data server has {processes} serving processes, and {world_size} rank(s) read it over {per_server} "
             f"connection(s) each: {processes - sessions} of its processes prepare none of these batches; "

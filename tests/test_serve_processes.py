@@ -17,10 +17,12 @@ import sys
 import threading
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from fuelline.client import ServerDataStream
+from fuelline.client.agreement import idle_processes
 
 from support.processes import ServerProcess, wait_until
 
@@ -180,6 +182,14 @@ def test_a_reader_with_fewer_connections_than_processes_is_told(sample_dataset: 
             next(iter(s.get_epoch_iterator()))
             assert ("serving_processes" in s.info) == (endpoint == several.endpoint)
     assert "serving processes" not in caplog.text
+
+
+@pytest.mark.parametrize("said", [[2], "2", 2.5, True, None, -3, {"a": 1}])
+def test_a_servers_word_on_its_processes_that_is_not_a_whole_number_is_not_taken(said) -> None:
+    """The Welcome's info is the server's word: one that lies there fails no reader, and tells it nothing."""
+    honest, liar = SimpleNamespace(info={"serving_processes": 2}), SimpleNamespace(info={"serving_processes": said})
+    assert idle_processes(["a", "b"], [liar, liar], 1) == ""
+    assert idle_processes(["a", "b"], [honest, liar], 1).startswith("the data server has 2 serving processes")
 
 
 @pytest.mark.parametrize("connections", [0, -1, 1.5, True])
