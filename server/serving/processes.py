@@ -66,7 +66,7 @@ log = logging.getLogger("fuelline.server")
 
 MAX_RESTARTS = 5  # within RESTART_WINDOW seconds: more is a crash loop, not bad luck
 RESTART_WINDOW = 60.0
-# A serving loop turns at least every quarter heartbeat (and 0.25 s); one not heard for this many
+# A serving loop says it runs at least every 0.5 s (it turns every quarter heartbeat, 0.25 s at most); one not heard for this many
 # heartbeats, and at least HANG_MIN seconds, is hung. Its clients gave up on it after three.
 HANG_HEARTBEATS = 5
 HANG_MIN = 3.0
