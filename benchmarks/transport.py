@@ -2,7 +2,10 @@
 
 Bare pyzmq is the ceiling: one preallocated array sent zero-copy over PUSH/PULL with a high-water
 mark of 10, rebuilt with ``np.frombuffer`` on arrival, and nothing else; it is measured on tcp
-loopback and on an ipc:// (Unix domain) socket, the two ways a co-located server can be reached. fuelline sends the same
+loopback and on an ipc:// (Unix domain) socket, the two ways a co-located server can be reached.
+The same bare pyzmq with an xxh3-64 of the array taken by the sender before each send and checked
+by the receiver (``bare pyzmq + xxh3``) is the ceiling of any transport that checks integrity: the
+least work an end-to-end checksum adds, with no protocol around it. fuelline sends the same
 array from a Fuel-style stream through ``start_server`` to ``ServerDataStream``, adding its
 headers, credit, sessions and (unless turned off) an xxh3 checksum per array, checked on arrival:
 over TCP (``local=False``, as a client on another host reads), and as a default client on the
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
+import xxhash
 import zmq
 
 from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, time_batches
@@ -40,6 +44,7 @@ HOST = "127.0.0.1"
 TIMEOUT_S = 60.0  # for any single wait: a connection, a batch, an acknowledgement
 
 BARE, BARE_IPC = "bare pyzmq", "bare pyzmq, ipc"
+BARE_XXH3 = "bare pyzmq + xxh3"  # the sender hashes each array, the receiver checks it: nothing else
 FUELLINE, NO_CHECKSUM = "fuelline", "fuelline --no-checksum"  # over TCP (ServerDataStream(local=False))
 LOCAL, LOCAL_NO_CHECKSUM = "fuelline, local", "fuelline, local --no-checksum"  # the default: moves to ipc
 FRESH, LOCAL_FRESH = "fuelline, fresh_arrays", "fuelline, local, fresh_arrays"  # the stream's array, not copied
@@ -51,9 +56,10 @@ def make_array() -> np.ndarray:
 
 
 # -- bare pyzmq ------------------------------------------------------------------------------------
-def _bare_sender(conn: Connection, hwm: int, ipc_path: str | None = None) -> None:
+def _bare_sender(conn: Connection, hwm: int, ipc_path: str | None = None, checksum: bool = False) -> None:
     """Child process: bind PUSH (tcp loopback, or ``ipc://ipc_path``), report the endpoint, then
-    per request send the array n times.
+    per request send the array n times (with ``checksum``, each time as two frames: the xxh3-64 of
+    its bytes, taken just before, then the array).
 
     It leaves when asked (None), when the parent goes away (EOF), or after a long silence, so an
     orphan never lingers.
@@ -70,13 +76,17 @@ def _bare_sender(conn: Connection, hwm: int, ipc_path: str | None = None) -> Non
             endpoint = f"ipc://{ipc_path}"
             sock.bind(endpoint)
         arr = make_array()
+        flat = arr.reshape(-1).view(np.uint8)
         conn.send(endpoint)
         while conn.poll(10 * TIMEOUT_S):
             n = conn.recv()
             if n is None:
                 break
             for _ in range(n):
-                sock.send(arr, copy=False)
+                if checksum:
+                    sock.send_multipart([xxhash.xxh3_64_intdigest(flat).to_bytes(8, "little"), arr], copy=False)
+                else:
+                    sock.send(arr, copy=False)
             conn.send(n)
     except (EOFError, BrokenPipeError, zmq.Again):
         pass
@@ -87,12 +97,15 @@ def _bare_sender(conn: Connection, hwm: int, ipc_path: str | None = None) -> Non
 
 class BareSender:
     """The bare pyzmq sender process (spawned, so it shares nothing with this one); on tcp
-    loopback, or on ``ipc://ipc_path`` if given."""
+    loopback, or on ``ipc://ipc_path`` if given; ``checksum``: each array goes with its xxh3-64,
+    checked on arrival."""
 
-    def __init__(self, hwm: int = HWM, ipc_path: str | None = None) -> None:
+    def __init__(self, hwm: int = HWM, ipc_path: str | None = None, checksum: bool = False) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_bare_sender, args=(child, hwm, ipc_path), name="bare-pyzmq-sender", daemon=True)
+        self.checksum = checksum
+        self._proc = ctx.Process(target=_bare_sender, args=(child, hwm, ipc_path, checksum), name="bare-pyzmq-sender",
+                                 daemon=True)
         self.endpoint = ""
         self.exit_status: dict[str, Any] = {}
 
@@ -137,8 +150,13 @@ class BareSender:
         try:
             sock.connect(self.endpoint)
             self._conn.send(batches)  # the readiness handshake: it sends only once asked
-            for _ in range(batches):
-                frame = sock.recv(copy=False)
+            for i in range(batches):
+                if self.checksum:
+                    digest, frame = sock.recv_multipart(copy=False)
+                    if xxhash.xxh3_64_intdigest(frame.buffer) != int.from_bytes(digest.bytes, "little"):
+                        raise RuntimeError(f"bare pyzmq + xxh3: batch {i} arrived with another checksum")
+                else:
+                    frame = sock.recv(copy=False)
                 yield (np.frombuffer(frame, dtype=DTYPE).reshape(SHAPE),)
             if self._await("acknowledgement") != batches:
                 raise RuntimeError("bare pyzmq sender acknowledged another count")
@@ -206,12 +224,14 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
     with tempfile.TemporaryDirectory(prefix="fuelline-bench-") as logs, ExitStack() as stack:
         bare = stack.enter_context(BareSender())
         bare_ipc = stack.enter_context(BareSender(ipc_path=str(Path(logs) / "bare.sock")))
+        bare_xxh3 = stack.enter_context(BareSender(checksum=True))
         with_ck = stack.enter_context(fuelline_server(FUELLINE, batches, True, Path(logs)))
         no_ck = stack.enter_context(fuelline_server(NO_CHECKSUM, batches, False, Path(logs)))
         fresh = stack.enter_context(fuelline_server(FRESH, batches, True, Path(logs), fresh_arrays=True))
         contenders = [
             Contender(BARE, lambda: bare_round(bare, batches)),
             Contender(BARE_IPC, lambda: bare_round(bare_ipc, batches, BARE_IPC)),
+            Contender(BARE_XXH3, lambda: bare_round(bare_xxh3, batches, BARE_XXH3)),
             Contender(FUELLINE, lambda: fuelline_round(with_ck, batches)),
             Contender(NO_CHECKSUM, lambda: fuelline_round(no_ck, batches)),
             Contender(LOCAL, lambda: fuelline_round(with_ck, batches, local=True, name=LOCAL)),
@@ -225,8 +245,8 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         gbps = Metric("GB/s", lambda r: r.bytes / r.seconds / 1e9, "{:.3f}")
         results = alternate(contenders, rounds, lambda r: f"{gbps.of(r):.3f} GB/s")
         stack.close()  # stop the servers now: their exit status belongs in the record
-        exits = {BARE: bare.exit_status, BARE_IPC: bare_ipc.exit_status, FUELLINE: with_ck.exit_status,
-                 NO_CHECKSUM: no_ck.exit_status, LOCAL: with_ck.exit_status, LOCAL_NO_CHECKSUM: no_ck.exit_status,
+        exits = {BARE: bare.exit_status, BARE_IPC: bare_ipc.exit_status, BARE_XXH3: bare_xxh3.exit_status,
+                 FUELLINE: with_ck.exit_status, NO_CHECKSUM: no_ck.exit_status, LOCAL: with_ck.exit_status, LOCAL_NO_CHECKSUM: no_ck.exit_status,
                  FRESH: fresh.exit_status, LOCAL_FRESH: fresh.exit_status}
     parameters = {
         "rounds": rounds, "batches_per_round": batches, "shape": list(SHAPE), "dtype": np.dtype(DTYPE).name,
@@ -242,6 +262,10 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         "Every sender is a separate process on the same loopback; bare pyzmq is PUSH/PULL, send(copy=False) of "
         "one preallocated array, recv(copy=False) + np.frombuffer, high-water mark 10, on tcp://127.0.0.1 and on "
         "an ipc:// socket in a temporary directory.",
+        "bare pyzmq + xxh3: the same over tcp, the sender taking the xxh3-64 of the array before each send (an 8-byte "
+        "frame ahead of it) and the receiver checking it against the received frame. It is what an end-to-end "
+        "checksum costs with no protocol at all: bare pyzmq + xxh3 / bare pyzmq bounds what any transport with "
+        "integrity checks on can reach on this machine, and fuelline / bare pyzmq + xxh3 is fuelline's own share.",
         ipc_note,
         "fuelline: start_server(stream, port=0, hwm=10) in a child process, ServerDataStream(hwm=10) reading one "
         "epoch per round (a new client each round); every array is touched (one element read).",
@@ -258,7 +282,8 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         [RatioSpec(FUELLINE, BARE, 0.80), RatioSpec(NO_CHECKSUM, BARE, 0.80), RatioSpec(LOCAL, BARE_IPC, 0.80),
          RatioSpec(LOCAL_NO_CHECKSUM, BARE_IPC, 0.80), RatioSpec(FRESH, BARE, 0.80), RatioSpec(LOCAL_FRESH, BARE_IPC, 0.80),
          RatioSpec(LOCAL, BARE), RatioSpec(FUELLINE, NO_CHECKSUM), RatioSpec(FUELLINE, FRESH),
-         RatioSpec(LOCAL, LOCAL_FRESH), RatioSpec(BARE_IPC, BARE)],
+         RatioSpec(LOCAL, LOCAL_FRESH), RatioSpec(BARE_IPC, BARE),
+         RatioSpec(BARE_XXH3, BARE), RatioSpec(FUELLINE, BARE_XXH3), RatioSpec(FRESH, BARE_XXH3)],
         parameters, notes, env, exits=exits,
     )
     print(md, flush=True)

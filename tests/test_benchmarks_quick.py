@@ -79,7 +79,11 @@ def test_headline_figures_are_computed(quick_run: tuple[subprocess.CompletedProc
     assert proc.returncode == 0, proc.stderr[-4000:]
 
     transport = _record(results, "transport")
-    assert {"bare pyzmq", "bare pyzmq, ipc", "fuelline", "fuelline, local"} <= set(transport["contenders"])
+    assert {"bare pyzmq", "bare pyzmq, ipc", "bare pyzmq + xxh3", "fuelline", "fuelline, local"} <= set(
+        transport["contenders"])
+    # The ceiling of a checksummed transport, and fuelline's share of it, beside the target's ratio.
+    assert {"bare pyzmq + xxh3 / bare pyzmq", "fuelline / bare pyzmq + xxh3"} <= set(transport["ratios"])
+    assert transport["ratios"]["fuelline / bare pyzmq"]["target"] == 0.8
 
     pipeline = _record(results, "pipeline")
     names = set(pipeline["contenders"])
