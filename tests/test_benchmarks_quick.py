@@ -115,6 +115,8 @@ def test_headline_figures_are_computed(quick_run: tuple[subprocess.CompletedProc
         assert all(r["producer_cpu_s"] > 0 for r in scaling["contenders"][name]["rounds"]), name
     # The decoded units of a server of several processes are counted across them (their metrics, merged).
     assert all(v > 0 for v in scaling["contenders"][several[1]]["units decoded/epoch"]["values"])
+    # Starting is measured apart from the timed span: every client had its first batch some time after it was asked.
+    assert all(0 < v < 60 for v in scaling["contenders"]["8 clients"]["s to the last client's first batch"]["values"])
     # Each round's split of the batches among the processes (from their merged metrics), in the notes.
     split = next(n for n in scaling["notes"] if n.startswith(f"{several[1]}, each round's windows/s"))
     shares = [[int(x) for x in m.split("/")] for m in re.findall(r"\(([\d/]+) %\)", split)]
