@@ -5,7 +5,9 @@ mark of 10, rebuilt with ``np.frombuffer`` on arrival, and nothing else; it is m
 loopback and on an ipc:// (Unix domain) socket, the two ways a co-located server can be reached.
 The same bare pyzmq with an xxh3-64 of the array taken by the sender before each send and checked
 by the receiver (``bare pyzmq + xxh3``) is the ceiling of any transport that checks integrity: the
-least work an end-to-end checksum adds, with no protocol around it. fuelline sends the same
+least work an end-to-end checksum adds, with no protocol around it. ``bare pyzmq + copy + xxh3``
+also copies each array before hashing and sending the copy, as a server of a stream that may refill
+one buffer must: the ceiling for fuelline's default. fuelline sends the same
 array from a Fuel-style stream through ``start_server`` to ``ServerDataStream``, adding its
 headers, credit, sessions and (unless turned off) an xxh3 checksum per array, checked on arrival:
 over TCP (``local=False``, as a client on another host reads), and as a default client on the
@@ -45,6 +47,7 @@ TIMEOUT_S = 60.0  # for any single wait: a connection, a batch, an acknowledgeme
 
 BARE, BARE_IPC = "bare pyzmq", "bare pyzmq, ipc"
 BARE_XXH3 = "bare pyzmq + xxh3"  # the sender hashes each array, the receiver checks it: nothing else
+BARE_COPY_XXH3 = "bare pyzmq + copy + xxh3"  # the same, of a copy of each array made just before
 FUELLINE, NO_CHECKSUM = "fuelline", "fuelline --no-checksum"  # over TCP (ServerDataStream(local=False))
 LOCAL, LOCAL_NO_CHECKSUM = "fuelline, local", "fuelline, local --no-checksum"  # the default: moves to ipc
 FRESH, LOCAL_FRESH = "fuelline, fresh_arrays", "fuelline, local, fresh_arrays"  # the stream's array, not copied
@@ -56,10 +59,11 @@ def make_array() -> np.ndarray:
 
 
 # -- bare pyzmq ------------------------------------------------------------------------------------
-def _bare_sender(conn: Connection, hwm: int, ipc_path: str | None = None, checksum: bool = False) -> None:
+def _bare_sender(conn: Connection, hwm: int, ipc_path: str | None = None, checksum: bool = False,
+                 copy: bool = False) -> None:
     """Child process: bind PUSH (tcp loopback, or ``ipc://ipc_path``), report the endpoint, then
     per request send the array n times (with ``checksum``, each time as two frames: the xxh3-64 of
-    its bytes, taken just before, then the array).
+    its bytes, taken just before, then the array; with ``copy``, of a new copy of it each time).
 
     It leaves when asked (None), when the parent goes away (EOF), or after a long silence, so an
     orphan never lingers.
@@ -84,7 +88,9 @@ def _bare_sender(conn: Connection, hwm: int, ipc_path: str | None = None, checks
                 break
             for _ in range(n):
                 if checksum:
-                    sock.send_multipart([xxhash.xxh3_64_intdigest(flat).to_bytes(8, "little"), arr], copy=False)
+                    out = arr.copy() if copy else arr
+                    digest = xxhash.xxh3_64_intdigest(out.reshape(-1).view(np.uint8) if copy else flat)
+                    sock.send_multipart([digest.to_bytes(8, "little"), out], copy=False)
                 else:
                     sock.send(arr, copy=False)
             conn.send(n)
@@ -98,14 +104,14 @@ def _bare_sender(conn: Connection, hwm: int, ipc_path: str | None = None, checks
 class BareSender:
     """The bare pyzmq sender process (spawned, so it shares nothing with this one); on tcp
     loopback, or on ``ipc://ipc_path`` if given; ``checksum``: each array goes with its xxh3-64,
-    checked on arrival."""
+    checked on arrival; ``copy`` (with ``checksum``): a copy of the array made for each send."""
 
-    def __init__(self, hwm: int = HWM, ipc_path: str | None = None, checksum: bool = False) -> None:
+    def __init__(self, hwm: int = HWM, ipc_path: str | None = None, checksum: bool = False, copy: bool = False) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
         self.checksum = checksum
-        self._proc = ctx.Process(target=_bare_sender, args=(child, hwm, ipc_path, checksum), name="bare-pyzmq-sender",
-                                 daemon=True)
+        self._proc = ctx.Process(target=_bare_sender, args=(child, hwm, ipc_path, checksum, copy),
+                                 name="bare-pyzmq-sender", daemon=True)
         self.endpoint = ""
         self.exit_status: dict[str, Any] = {}
 
@@ -225,6 +231,7 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         bare = stack.enter_context(BareSender())
         bare_ipc = stack.enter_context(BareSender(ipc_path=str(Path(logs) / "bare.sock")))
         bare_xxh3 = stack.enter_context(BareSender(checksum=True))
+        bare_copy_xxh3 = stack.enter_context(BareSender(checksum=True, copy=True))
         with_ck = stack.enter_context(fuelline_server(FUELLINE, batches, True, Path(logs)))
         no_ck = stack.enter_context(fuelline_server(NO_CHECKSUM, batches, False, Path(logs)))
         fresh = stack.enter_context(fuelline_server(FRESH, batches, True, Path(logs), fresh_arrays=True))
@@ -232,6 +239,7 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
             Contender(BARE, lambda: bare_round(bare, batches)),
             Contender(BARE_IPC, lambda: bare_round(bare_ipc, batches, BARE_IPC)),
             Contender(BARE_XXH3, lambda: bare_round(bare_xxh3, batches, BARE_XXH3)),
+            Contender(BARE_COPY_XXH3, lambda: bare_round(bare_copy_xxh3, batches, BARE_COPY_XXH3)),
             Contender(FUELLINE, lambda: fuelline_round(with_ck, batches)),
             Contender(NO_CHECKSUM, lambda: fuelline_round(no_ck, batches)),
             Contender(LOCAL, lambda: fuelline_round(with_ck, batches, local=True, name=LOCAL)),
@@ -246,6 +254,7 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         results = alternate(contenders, rounds, lambda r: f"{gbps.of(r):.3f} GB/s")
         stack.close()  # stop the servers now: their exit status belongs in the record
         exits = {BARE: bare.exit_status, BARE_IPC: bare_ipc.exit_status, BARE_XXH3: bare_xxh3.exit_status,
+                 BARE_COPY_XXH3: bare_copy_xxh3.exit_status,
                  FUELLINE: with_ck.exit_status, NO_CHECKSUM: no_ck.exit_status, LOCAL: with_ck.exit_status, LOCAL_NO_CHECKSUM: no_ck.exit_status,
                  FRESH: fresh.exit_status, LOCAL_FRESH: fresh.exit_status}
     parameters = {
@@ -265,7 +274,10 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         "bare pyzmq + xxh3: the same over tcp, the sender taking the xxh3-64 of the array before each send (an 8-byte "
         "frame ahead of it) and the receiver checking it against the received frame. It is what an end-to-end "
         "checksum costs with no protocol at all: bare pyzmq + xxh3 / bare pyzmq bounds what any transport with "
-        "integrity checks on can reach on this machine, and fuelline / bare pyzmq + xxh3 is fuelline's own share.",
+        "integrity checks on can reach on this machine, and fuelline / bare pyzmq + xxh3 is fuelline's own share. "
+        "bare pyzmq + copy + xxh3: the sender also copies the array (np.copy, a new array each time) and sends "
+        "the copy with its xxh3: what start_server's default does to every batch, with no protocol; fuelline / "
+        "bare pyzmq + copy + xxh3 compares like with like.",
         ipc_note,
         "fuelline: start_server(stream, port=0, hwm=10) in a child process, ServerDataStream(hwm=10) reading one "
         "epoch per round (a new client each round); every array is touched (one element read).",
@@ -283,7 +295,8 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
          RatioSpec(LOCAL_NO_CHECKSUM, BARE_IPC, 0.80), RatioSpec(FRESH, BARE, 0.80), RatioSpec(LOCAL_FRESH, BARE_IPC, 0.80),
          RatioSpec(LOCAL, BARE), RatioSpec(FUELLINE, NO_CHECKSUM), RatioSpec(FUELLINE, FRESH),
          RatioSpec(LOCAL, LOCAL_FRESH), RatioSpec(BARE_IPC, BARE),
-         RatioSpec(BARE_XXH3, BARE), RatioSpec(FUELLINE, BARE_XXH3), RatioSpec(FRESH, BARE_XXH3)],
+         RatioSpec(BARE_XXH3, BARE), RatioSpec(FUELLINE, BARE_XXH3), RatioSpec(FRESH, BARE_XXH3),
+         RatioSpec(BARE_COPY_XXH3, BARE), RatioSpec(FUELLINE, BARE_COPY_XXH3)],
         parameters, notes, env, exits=exits,
     )
     print(md, flush=True)
