@@ -240,6 +240,10 @@ def headlines(results_dir: Path) -> list[dict[str, Any]]:
         if "clients_unshared" in rec:
             u = rec["clients_unshared"]
             add("scaling", f"same, decoded units unshared ({u['x'][-1]} clients / 1)", u["speedup_at_max"], None)
+        # One server of several serving processes, held to the same target against its own one client.
+        for key, r in rec.get("ratios", {}).items():
+            if "--processes" in key and r.get("target") is not None:
+                add("scaling", key + " (windows/s)", r["of_medians"], r["target"])
         b = rec["batch_size"]
         add("scaling", f"windows/s, batch {b['x'][-1]} / batch {b['x'][0]}", b["speedup_at_max"], None)
     if (rec := _load(results_dir, "compression")) is not None:
