@@ -49,8 +49,9 @@ def epochs_per_round(quick: bool) -> int:
     """Every client reads this many epochs of its share per round, so start-up does not dominate.
 
     An epoch of the train split is about 1,560 windows, 25 batches of 64 among all the clients:
-    at 3 epochs a round lasted 0.1–0.2 s, and 8 clients read about 9 batches each, so the
-    sessions' start and the clients' spread in starting were a third of the 8-client figure.
+    at 3 epochs a round lasted 0.1–0.2 s and 8 clients read about 9 batches each, and the
+    round's start (8 handshakes, sessions, threads, slabs) was about a third of the server's CPU
+    for 8 clients (about 95 ms a round against 48 ms an epoch, in reads of 1 to 8 epochs).
     Starting is measured on its own (``start_s`` of each round)."""
     return 2 if quick else 16
 
