@@ -184,7 +184,8 @@ class Clients:
             "machine_busy_s": machine1 - machine0, "cores": cores, "wall_s": wall1 - wall0, "epochs": epochs,
             # From asking the clients to read to the first batch of the last of them to get one: what
             # starting a session costs each of them, outside the timed span.
-            "start_s": max(r[5] for r in replies) - wall0,
+            # (a client that got no batch has no first one: the others' count)
+            "start_s": max(r[5] for r in replies if r[5] is not None) - wall0,
             "all_rows": sum(r[2] for r in replies),
             "decoded": None if decoded0 is None or decoded1 is None else decoded1 - decoded0,
             # Of the batches sent, the share of each serving process (a --processes server), largest first.

@@ -143,8 +143,8 @@ def _describe(info: dict) -> str:
 
 
 def _answer_to_supervisor(server, fd: int, group: str | None) -> None:
-    """Over the link to the supervisor that started this process: say at every turn of the serving
-    loop that it runs (one not heard for long is hung, and killed), and stop serving once the
+    """Over the link to the supervisor that started this process: say from the serving loop's turns,
+    at most twice a second, that it runs (one not heard for long is hung, and killed), and stop serving once the
     supervisor is gone (its end closes however it ends, kill -9 included), removing the folder it
     shared with its siblings."""
     import shutil

@@ -24,7 +24,7 @@ This process, the supervisor, serves nothing. It:
 * starts again a process that dies (a signal, a crash, the OOM killer), saying which and how; more
   than ``MAX_RESTARTS`` within ``RESTART_WINDOW`` seconds stop everything, exit status 1;
 * kills, and so starts again, a process that serves no more while it lives (stopped, deadlocked):
-  each process's serving loop says it runs over the same link, at every turn, and one silent for
+  each process's serving loop says it runs over the same link, at most twice a second, and one silent for
   ``hang_after`` seconds is hung. A hung process still holds its share of the port, and the kernel
   would go on handing it new connections that nobody answers;
 * on SIGTERM or SIGINT, passes SIGTERM on, waits for every process to say Bye to its clients and
