@@ -19,8 +19,8 @@ from support.trainer import lines, torchrun_args  # noqa: E402
 
 ABORT = "terminate called"
 # One launch over one connection and one over two. The abort this guards against never reproduced
-# here, in 50 launches on the code before its fix: more launches of each kind bought the suite
-# 17 s of 2 cores and no more chance of catching it.
+# here, in 50 launches on the code before its fix; two more launches cost the suite 17 s of 2 cores
+# for a failure that 50 did not show.
 LAUNCHES = 2
 
 
