@@ -61,12 +61,6 @@ REFERENCE_WINDOWS_PER_S = 980.0
 QUICK_RECORDINGS, QUICK_SECONDS = 10, 40.0  # --quick: a check that it runs, not a measurement
 
 EPOCHS_PER_ROUND = 10  # so that a round's server CPU is many clock ticks (about 50 at 0.03 ms a window)
-# A server's CPU is read from /proc in clock ticks (10 ms): a served round reads on, epoch after
-# epoch, until the server has spent at least this much, so that the tick it is read in is a small
-# part of it (5 %; 25 % in a quick run, which checks that it runs and measures nothing). A quick
-# round of the decoded-kept server spent less than one tick: its CPU read as 0.
-MIN_SERVER_CPU_S, QUICK_MIN_SERVER_CPU_S = 0.2, 0.04
-MAX_EPOCHS_PER_ROUND = 200
 NAIVE, IN_PROCESS = "naive numpy alignment, in memory", "in-process pipeline"
 SERVED, KEPT = "fuelline serve", "fuelline serve, decoded kept"
 PER_CPU = "windows per CPU s"
@@ -116,35 +110,25 @@ def in_process_round(dataset: str, epoch: list[int], epochs: int) -> Round:
     return Round(r.batches, r.rows, r.bytes, r.seconds, 0.0, r.consumer_cpu_s)
 
 
-def served_round(server: ServerProcess, epochs: int, min_cpu_s: float = MIN_SERVER_CPU_S) -> Round:
-    """``epochs`` epochs through a new client, and more (up to ``MAX_EPOCHS_PER_ROUND``) until the
-    server has spent ``min_cpu_s`` of CPU. The server's CPU is taken from before the client
+def served_round(server: ServerProcess, epochs: int) -> Round:
+    """``epochs`` epochs through a new client. The server's CPU is taken from before the client
     connects to after its last batch (the server decodes ahead of what was received, so the span
     of the timed batches alone would miss some of it), and counted per timed window."""
-    cpu0 = _server_cpu(server)
+    cpu0 = process_cpu_seconds(server.pid)
     windows = 0
 
     def counted() -> Any:
         nonlocal windows
         with ServerDataStream(None, host=server.host, port=server.port, hwm=HWM, timeout=TIMEOUT_S,
                               receive_timeout=TIMEOUT_S) as stream:
-            read = 0
-            while read < epochs or (_server_cpu(server) - cpu0 < min_cpu_s and read < MAX_EPOCHS_PER_ROUND):
+            for _ in range(epochs):
                 for batch in stream.get_epoch_iterator():
                     windows += len(batch[0])
                     yield batch
-                read += 1
 
     r = time_batches(counted())
-    cpu = _server_cpu(server) - cpu0
+    cpu = process_cpu_seconds(server.pid) - cpu0
     return Round(r.batches, r.rows, r.bytes, r.seconds, r.consumer_cpu_s, cpu * r.rows / windows)
-
-
-def _server_cpu(server: ServerProcess) -> float:
-    cpu = process_cpu_seconds(server.pid)
-    if cpu is None:
-        raise RuntimeError(f"{server.name}: no CPU figure for pid {server.pid} (this benchmark reads Linux /proc)")
-    return cpu
 
 
 def _serve_argv(dataset: str, cache_mb: int) -> list[str]:
@@ -164,7 +148,6 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
     env = environment()
     recordings, seconds = (QUICK_RECORDINGS, QUICK_SECONDS) if quick else (RECORDINGS, SECONDS)
     epochs = 1 if quick else EPOCHS_PER_ROUND
-    min_cpu = QUICK_MIN_SERVER_CPU_S if quick else MIN_SERVER_CPU_S
     raw = ensure_raw(data_dir, recordings, seconds)
     with tempfile.TemporaryDirectory(prefix="fuelline-bench-", dir=data_dir) as work, ExitStack() as stack:
         conv = time_convert(raw, rounds, Path(work))
@@ -183,7 +166,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         contenders = [
             Contender(NAIVE, lambda: naive_align.naive_round(naive_data, length, BATCH_SIZE, epochs)),
             Contender(IN_PROCESS, lambda: in_process_round(dataset, epoch, epochs)),
-            *(Contender(s.name, lambda s=s: served_round(s, epochs, min_cpu)) for s in servers),
+            *(Contender(s.name, lambda s=s: served_round(s, epochs)) for s in servers),
         ]
         wps = Metric("windows/s", lambda r: r.rows / r.seconds, "{:,.0f}")
         mbs = Metric("MB/s", lambda r: r.bytes / r.seconds / 1e6, "{:,.0f}")
@@ -196,7 +179,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
     parameters = {
         "rounds": rounds, "quick": quick, "recordings": recordings, "seconds": seconds, "seed": SEED, "train_windows": windows,
         "window": "2.0 s every 1.0 s, max gap 2, zscore", "batch_size": BATCH_SIZE, "hwm": HWM, "epochs_per_round": epochs,
-        "min_server_cpu_s": min_cpu, "before": before,
+        "before": before,
     }
     ratios = [RatioSpec(SERVED, IN_PROCESS, 1.0),
               RatioSpec(SERVED, NAIVE, 3.0, metric=PER_CPU), RatioSpec(KEPT, NAIVE, None, metric=PER_CPU)]
@@ -210,8 +193,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         f"fuelline serve delivers {served / REFERENCE_WINDOWS_PER_S:.1f}× the {REFERENCE_WINDOWS_PER_S:.0f} windows/s "
         "of the Arrow pipeline this work started from (target ≥ 20×).",
         f"{rounds} timed rounds after one untimed warm-up pass of each, contenders alternately; {epochs} epoch(s) of the "
-        f"train split ({windows} windows) per round, and for a served contender more until its server has spent "
-        f"{min_cpu:.2f} s of CPU (read in 10 ms clock ticks); all seven sources (eeg, ecg, gsr, video, label, sample_id, t_start) "
+        f"train split ({windows} windows) per round; all seven sources (eeg, ecg, gsr, video, label, sample_id, t_start) "
         "of every window.",
         "A rate counts the windows after the first batch over the time from its arrival to the last batch's.",
         f"{PER_CPU}: windows per CPU second of the side that aligns them (a server process, from before its client "
