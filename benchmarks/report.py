@@ -32,8 +32,7 @@ class Metric:
 
 def server_cpu_ms_per_window() -> Metric:
     """CPU milliseconds of the sending process (its worker processes included) per window; NaN
-    where it was not measured. A short pass can cost zero clock ticks, which is a measurement
-    too: 0.0, not NaN."""
+    where it was not measured."""
 
     def of(r: Round) -> float:
         return float("nan") if r.producer_cpu_s is None else 1e3 * r.producer_cpu_s / r.rows

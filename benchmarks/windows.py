@@ -60,7 +60,7 @@ REFERENCE_WINDOWS_PER_S = 980.0
 
 QUICK_RECORDINGS, QUICK_SECONDS = 10, 40.0  # --quick: a check that it runs, not a measurement
 
-EPOCHS_PER_ROUND = 10  # so that a round's server CPU is many clock ticks (about 50 at 0.03 ms a window)
+EPOCHS_PER_ROUND = 10  # about half a second of the server's CPU a round (at 0.03 ms a window)
 NAIVE, IN_PROCESS = "naive numpy alignment, in memory", "in-process pipeline"
 SERVED, KEPT = "fuelline serve", "fuelline serve, decoded kept"
 PER_CPU = "windows per CPU s"
