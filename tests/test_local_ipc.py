@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -119,11 +120,20 @@ def test_every_batch_a_local_client_is_sent_is_placed_in_shared_memory(sample_da
     def counts() -> dict[str, float]:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT) as answer:
             text = answer.read().decode()
-        return {name: float(v) for name, v in re.findall(r"^(fuelline_\w+_total) (\S+)$", text, re.M)}
+        return {name: float(v) for name, v in re.findall(r"^(fuelline_\w+(?:_total|_connected)) (\S+)$", text, re.M)}
+
+    def once_every_client_left() -> dict[str, float]:
+        """The counters once the server has ended every session: a reader's close tells the server
+        (Bye), and until the server reads it, a batch prepared ahead may still go out."""
+        deadline = time.monotonic() + TIMEOUT
+        while (now := counts())["fuelline_clients_connected"]:
+            assert time.monotonic() < deadline, f"sessions still open {TIMEOUT:.0f}s after their readers closed: {now}"
+            time.sleep(0.05)
+        return now
 
     ids, transports = epoch(server.endpoint)
     assert transports[0].startswith("ipc://") and len(ids) == 16
-    after = counts()
+    after = once_every_client_left()
     # Every batch sent (the epoch's, and any read ahead into the next) was placed in shared memory.
     assert after["fuelline_sessions_total"] == 2  # (the Hello over TCP, then the one on the socket)
     assert after["fuelline_batches_sent_total"] == after["fuelline_batches_shared_total"] >= 16, after
@@ -131,7 +141,7 @@ def test_every_batch_a_local_client_is_sent_is_placed_in_shared_memory(sample_da
     for options in ({"shared_memory": False}, {"local": False}):
         ids, transports = epoch(server.endpoint, **options)
         assert len(ids) == 16, options
-    assert counts()["fuelline_batches_shared_total"] == after["fuelline_batches_shared_total"]
+    assert once_every_client_left()["fuelline_batches_shared_total"] == after["fuelline_batches_shared_total"]
 
 
 def test_a_client_whose_hwm_is_above_the_servers_and_that_stays_on_tcp_is_served(sample_dataset: Path, start_serve) -> None:
