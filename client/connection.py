@@ -49,6 +49,7 @@ from fuelline.protocol import (
     Welcome,
     encode,
 )
+from fuelline.protocol.common.threadnames import name_this_thread
 
 __all__ = ["Connection", "Item"]
 
@@ -249,6 +250,7 @@ class Connection(Receiving):
 
     # -- keep-alive thread ---------------------------------------------------------------------
     def _keep_alive(self) -> None:
+        name_this_thread("fl-keepalive")
         interval = self._tick if self.READ_AHEAD_TURN is None else self.READ_AHEAD_TURN
         while not self._stop.wait(interval):
             # If the user's thread holds the lock, it is driving the connection itself.

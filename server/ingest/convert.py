@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from fuelline.protocol import DataError, OptionError
 from fuelline.protocol.common.atomic import atomic_directory
+from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.ingest.rawformat import RawDataset, RawRecording, RawSignal, check_same_channels
 from fuelline.server.multimodal.align import Signal
 from fuelline.server.multimodal.grid import GridWriter, grid_file, recording_grids, write_zscored, zgrid_file
@@ -187,7 +188,8 @@ def _read_ahead(source: RawDataset, recordings: Sequence[RawRecording],
     recordings while this one is compressed and written keeps several cores busy. At most
     ``workers + 1`` recordings are held in memory.
     """
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="fuelline-convert")
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="fuelline-convert", initializer=name_this_thread,
+                              initargs=("fl-convert",))
     pending: deque = deque()
     try:
         for raw in recordings:

@@ -15,6 +15,7 @@ from typing import Any, Callable, TypeVar
 import zmq
 
 from fuelline.protocol import DataError
+from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.serving.inbound import MAX_INBOUND_BYTES
 from fuelline.server.serving.keys import CurveConfig, is_loopback, start_authenticator
 from fuelline.server.serving.local_ipc import LocalSocketDir
@@ -183,9 +184,13 @@ class Listener:
     def start(self) -> str:
         """Bind and serve in a background thread; returns the endpoint."""
         endpoint = self.bind() if self._router is None else self.endpoint
-        self._thread = threading.Thread(target=self.serve_forever, name="fuelline-serve", daemon=True)
+        self._thread = threading.Thread(target=self._serve_in_thread, name="fuelline-serve", daemon=True)
         self._thread.start()
         return endpoint  # type: ignore[return-value]
+
+    def _serve_in_thread(self) -> None:
+        name_this_thread("fl-serve")
+        self.serve_forever()
 
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:

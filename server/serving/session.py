@@ -26,6 +26,7 @@ import numpy as np
 from fuelline.protocol import Batch, DataError, EndOfEpoch, Error, ErrorCode, Hello, ProtocolError, encode
 from fuelline.protocol.arrays import wire_array
 from fuelline.protocol.codec import batch_checksums, encode_placed
+from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.cache.memory import RecentBatches
 from fuelline.server.serving.slabs import SessionSlabs
 from fuelline.server.sources.buffers import allocating
@@ -288,6 +289,7 @@ class Session:
         return frames, sum(memoryview(f).nbytes for f in frames[1:]), True
 
     def _produce(self) -> None:
+        name_this_thread("fl-produce")
         h = self.hello
         epoch, cursor = h.epoch, h.cursor
         where = f"data server session {self.name} (split {h.split!r}, rank {h.rank} of {h.world_size})"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.cache.decoded import DecodedUnits
 from fuelline.server.sources.block_reader import BlockReader, Column
 from fuelline.server.sources.contract import Batches, BatchSource
@@ -158,7 +159,8 @@ class UnitSource(BatchSource):
     def _readahead_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="fuelline-read")
+                self._pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="fuelline-read",
+                                                initializer=name_this_thread, initargs=("fl-read",))
             return self._pool
 
     def _worker_pool(self) -> WorkerPool:

@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from fuelline.protocol import DataError
+from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.sources.locations import default_cache_dir, is_uri, redact_uri
 
 __all__ = ["Store", "FileStat", "is_uri", "redact_uri", "default_cache_dir", "storage_info", "STORAGE_COUNTERS"]
@@ -340,7 +341,8 @@ class Store:
                     continue
                 self._inflight.add(rel)
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(max_workers=PREFETCH_THREADS, thread_name_prefix="fuelline-fetch")
+                    self._pool = ThreadPoolExecutor(max_workers=PREFETCH_THREADS, thread_name_prefix="fuelline-fetch",
+                                                    initializer=name_this_thread, initargs=("fl-fetch",))
                 pool = self._pool
             try:
                 pool.submit(self._prefetch_one, rel)

@@ -48,6 +48,7 @@ from multiprocessing.connection import wait
 from typing import Any, Sequence
 
 from fuelline.protocol import DataError
+from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.workers import handoff
 from fuelline.server.workers.supervision import (
     CRASH_SIGNALS as CRASH_SIGNALS,  # (re-exported: it was defined here)
@@ -209,6 +210,7 @@ class WorkerPool(WorkerSupervision):
 
     # -- the dispatcher thread ------------------------------------------------------------------
     def _run(self) -> None:
+        name_this_thread("fl-workers")
         try:
             while not self._closed and self._broken is None:
                 self._dispatch()
