@@ -14,18 +14,19 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from fuelline.protocol.common.cpu import process_cpu_seconds
+from fuelline.protocol.common.cpu import process_cpu_seconds, threads_cpu_seconds
 from fuelline.protocol.common.endpoints import parse_ready_line
 
 __all__ = [
     "BENCH_DIR", "ROOT", "RESULTS_DIR", "DEFAULT_DATA_DIR",
     "Round", "Contender", "ServerProcess", "SourceTree", "time_batches", "process_cpu_seconds", "processes_cpu_seconds",
+    "THREAD_ROLES", "threads_cpu_by_role",
     "alternate", "progress",
 ]
 
@@ -52,12 +53,35 @@ class Round:
     seconds: float
     consumer_cpu_s: float  # this process, all threads, first batch to end of pass
     producer_cpu_s: float | None  # the sending process over the same span; None if in-process
+    # The CPU seconds of the processes whose batches are prepared (``time_batches``' ``threads_of``)
+    # over the same span, by what their threads do (``THREAD_ROLES``); None where not measured.
+    threads_cpu_s: dict[str, float] | None = field(default=None, kw_only=True)
 
 
-def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Sequence[int] | None = None) -> Round:
+# What a thread does, from the name it carries (``fuelline.protocol.common.threadnames``); a
+# process's main thread (a `fuelline serve` process's serving loop, a consumer's own gathering) is
+# "main", libzmq's I/O threads "libzmq", any other "other".
+THREAD_ROLES = (("fl-produce", "producers"), ("fl-read", "read-ahead"), ("fl-fetch", "fetch"),
+                ("fl-workers", "workers"), ("fl-serve", "serving loop"), ("ZMQbg/IO", "libzmq"))
+
+
+def threads_cpu_by_role(pids: Iterable[int]) -> dict[str, float]:
+    """The CPU seconds of the live threads of these processes (and of their live descendants), by
+    role. Threads that ended are not counted: take it over a span the threads of interest live through."""
+    out: dict[str, float] = {}
+    for pid in pids:
+        for (proc, tid), (name, seconds) in threads_cpu_seconds(pid).items():
+            role = "main" if tid == proc else next((r for prefix, r in THREAD_ROLES if name.startswith(prefix)), "other")
+            out[role] = out.get(role, 0.0) + seconds
+    return out
+
+
+def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Sequence[int] | None = None,
+                 threads_of: Sequence[int] = ()) -> Round:
     """Consume a stream of batches (tuples of arrays whose first axis is rows), touching one
     element of every array so that nothing is merely passed along unread, and time it.
-    ``producer_pid``: the sending process, or processes (their CPU is added up)."""
+    ``producer_pid``: the sending process, or processes (their CPU is added up). ``threads_of``:
+    processes whose CPU is also taken by thread role (``threads_cpu_by_role``) over the timed span."""
     pids = [] if producer_pid is None else [producer_pid] if isinstance(producer_pid, int) else list(producer_pid)
 
     def producers_cpu() -> float | None:
@@ -65,6 +89,7 @@ def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Se
 
     first = last = None
     cpu0 = prod0 = None
+    roles0: dict[str, float] = {}
     count = rows = nbytes = 0
     for batch in batches:
         now = time.perf_counter()
@@ -76,6 +101,7 @@ def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Se
             first = now
             cpu0 = time.process_time()
             prod0 = producers_cpu()
+            roles0 = threads_cpu_by_role(threads_of)
             continue
         last = now
         rows += len(batch[0])
@@ -84,8 +110,11 @@ def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Se
         raise RuntimeError(f"a pass needs at least two batches to be timed, got {count}")
     cpu1 = time.process_time()
     prod1 = producers_cpu()
+    roles1 = threads_cpu_by_role(threads_of)
     producer = prod1 - prod0 if prod0 is not None and prod1 is not None else None
-    return Round(count, rows, nbytes, last - first, cpu1 - cpu0, producer)  # type: ignore[operator]
+    # (A thread that started after the first batch counts from 0; one that ended is left out.)
+    roles = {role: max(0.0, roles1.get(role, 0.0) - roles0.get(role, 0.0)) for role in {*roles0, *roles1}} if threads_of else None
+    return Round(count, rows, nbytes, last - first, cpu1 - cpu0, producer, threads_cpu_s=roles)  # type: ignore[operator]
 
 
 def processes_cpu_seconds(pids: Iterable[int]) -> float | None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import statistics
 import sys
 import tempfile
@@ -200,7 +201,7 @@ def in_process_round(source: WindowSource, epoch: list[int], epochs: int) -> Rou
             for b in source.iter_batches(SPLIT, epoch[0], 0, 1, 0, source.sources):
                 yield tuple(b.values())
 
-    return time_batches(batches())
+    return time_batches(batches(), threads_of=[os.getpid()])
 
 
 def served_round(server: ServerProcess | Sequence[ServerProcess], epochs: int, connections: int = 1) -> Round:
@@ -211,7 +212,7 @@ def served_round(server: ServerProcess | Sequence[ServerProcess], epochs: int, c
     with ServerDataStream(None, endpoints=[f"{s.host}:{s.port}" for s in servers], connections=connections, hwm=HWM,
                           timeout=TIMEOUT_S, receive_timeout=TIMEOUT_S) as stream:
         batches = itertools.chain.from_iterable(stream.get_epoch_iterator() for _ in range(epochs))
-        return time_batches(batches, producer_pid=[s.pid for s in servers])
+        return time_batches(batches, producer_pid=[s.pid for s in servers], threads_of=[s.pid for s in servers])
 
 
 def _checked(r: Round, windows: int, who: str, batch_size: int) -> Round:

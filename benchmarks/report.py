@@ -147,6 +147,9 @@ def build_report(
             entry[m.unit] = _stats([m.of(r) for r in rounds])
         cpu = [c for c in (_cpu_per_gb(r) for r in rounds) if c is not None]
         entry["cpu_s_per_gb"] = _stats(cpu) if cpu else None
+        by_thread = _cpu_ms_per_batch_by_thread(rounds)
+        if by_thread:
+            entry["cpu_ms_per_batch_by_thread"] = by_thread
         record["contenders"][contender] = entry
     by_unit = {m.unit: m for m in metrics}
     for spec in ratios:
@@ -160,6 +163,17 @@ def build_report(
     if extra:
         record.update(extra)
     return record, _markdown(record, title, metrics)
+
+
+def _cpu_ms_per_batch_by_thread(rounds: Sequence[Round]) -> dict[str, float] | None:
+    """Median over rounds of each thread role's CPU ms per timed batch (the batches after the
+    first, whose span ``time_batches`` takes it over); None where no round measured threads."""
+    measured = [r for r in rounds if r.threads_cpu_s is not None and r.batches > 1]
+    if not measured:
+        return None
+    roles = sorted({role for r in measured for role in r.threads_cpu_s or {}})
+    return {role: statistics.median(1e3 * (r.threads_cpu_s or {}).get(role, 0.0) / (r.batches - 1) for r in measured)
+            for role in roles}
 
 
 def _markdown(record: dict[str, Any], title: str, metrics: Sequence[Metric]) -> str:
@@ -188,6 +202,14 @@ def _markdown(record: dict[str, Any], title: str, metrics: Sequence[Metric]) -> 
             f"- {label}: {r['of_medians']:.3f} (ratio of medians); median of per-round ratios "
             f"{r['median_per_round']:.3f}, min–max {r['min_per_round']:.3f}–{r['max_per_round']:.3f}{target}"
         )
+    split = {name: e["cpu_ms_per_batch_by_thread"] for name, e in record["contenders"].items()
+             if e.get("cpu_ms_per_batch_by_thread")}
+    if split:
+        lines += ["", "CPU ms per batch by thread (median of rounds; main: a server's serving loop, a consumer's own "
+                  "work; producers: gathering and placing batches; read-ahead: decoding; libzmq: its I/O threads):", ""]
+        lines += [f"- {name}: " + ", ".join(f"{role} {ms:.3f}" for role, ms in sorted(roles.items(), key=lambda kv: -kv[1])
+                                          if ms >= 0.0005)
+                  for name, roles in split.items()]
     m, v = record["machine"], record["versions"]
     lines += [
         "",

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 
-__all__ = ["process_cpu_seconds"]
+__all__ = ["process_cpu_seconds", "threads_cpu_seconds"]
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _LINUX = sys.platform.startswith("linux")
@@ -41,6 +41,7 @@ def _own_cpu_seconds(pid: int) -> float | None:
 
 
 def _children(pid: int) -> list[int]:
+    """The live child processes of every thread of a process."""
     out: list[int] = []
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -58,3 +59,26 @@ def process_cpu_seconds(pid: int, skip: frozenset[int] = frozenset()) -> float |
     if own is None:
         return None
     return own + sum(process_cpu_seconds(c, skip) or 0.0 for c in _children(pid) if c not in skip)
+
+
+def threads_cpu_seconds(pid: int) -> dict[tuple[int, int], tuple[str, float]]:
+    """Every live thread of a process and of its live descendants: (pid, thread id) -> (the name
+    the thread carries in the operating system, its CPU seconds, to the nanosecond). Threads that
+    ended are not there (``process_cpu_seconds`` counts them)."""
+    out: dict[tuple[int, int], tuple[str, float]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])  # time on a CPU; then run-queue wait and time slices
+        except (OSError, ValueError, IndexError):
+            continue  # (it ended meanwhile)
+        out[(pid, int(tid))] = (name, ns / 1e9)
+    for child in _children(pid):
+        out.update(threads_cpu_seconds(child))
+    return out
