@@ -4,6 +4,7 @@ whatever its pid, and no room to write them slows units down, never fails them."
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -17,8 +18,9 @@ from fuelline.server.sources.sample import write_sample_dataset
 from fuelline.server.workers import handoff
 from fuelline.server.workers.pool import WorkerPool
 
-from support.processes import ServerProcess
-from support.workers import FakeUnits, FileSizeLimitedUnits, start_pool
+from support.processes import ServerProcess, wait_until
+from support.worker_processes import handoff_folders
+from support.workers import FakeUnits, FileSizeLimitedUnits, pool_with_a_unit_in_hand, start_pool
 
 TIMEOUT = 60.0
 PIPED = "decoded units come through the worker processes' pipes instead"
@@ -92,6 +94,35 @@ def test_a_sweep_judges_by_the_lock_not_the_pid(tmp_path: Path) -> None:
         holder.stdin.close()
         holder.wait(TIMEOUT)
     assert handoff.sweep_dead(str(tmp_path)) == 1 and not held_by_dead_pid.exists()
+
+
+def test_a_folder_that_lost_its_lock_to_a_removal_is_removed_by_a_worker_of_its_pool(tmp_path: Path) -> None:
+    # What one worker's removal leaves when another writes a file into the folder meanwhile: the
+    # lock gone, the folder not. A sweep takes it for a folder being made (it never had a lock) and
+    # keeps it a while; a worker of its pool knows it had one.
+    folder = tmp_path / f"{handoff.PREFIX}{os.getpid()}-halfgone"
+    folder.mkdir()
+    (folder / "7").write_bytes(b"x" * 100)
+    assert handoff.remove_if_dead(str(folder)) == 0 and folder.exists()
+    assert handoff.remove_if_dead(str(folder), made=True) == 1 and not folder.exists()
+
+
+def test_a_worker_busy_when_its_serving_process_is_killed_removes_the_pools_folder(tmp_path: Path) -> None:
+    # The worker's reply to a task it was decoding finds the pipe broken (not the next read): it
+    # used to exit at once there, leaving the pool's folder in /dev/shm.
+    directory, started = tmp_path / "handoff", tmp_path / "started"
+    directory.mkdir()
+    source = FakeUnits(units=2, behaviour={0: ("until-orphaned", str(started))})
+    server = multiprocessing.get_context("spawn").Process(target=pool_with_a_unit_in_hand, args=(source, str(directory)))
+    server.start()
+    try:
+        wait_until(started.exists, TIMEOUT, "the worker decoding its unit")
+        assert len(handoff_folders(server.pid, str(directory))) == 1
+    finally:
+        server.kill()
+        server.join(TIMEOUT)
+    wait_until(lambda: not handoff_folders(server.pid, str(directory)), TIMEOUT,
+               "the pool's folder removed by its worker, busy when its server was killed")
 
 
 # -- no room -------------------------------------------------------------------------------------

@@ -32,11 +32,13 @@ __all__ = ["worker_main"]
 
 def _clean_up_after(paths: list, folder: str | None) -> None:
     """The serving process is gone: remove the hand-off files nobody will read, and the pool's
-    folder once its lock died with the server."""
+    folder once its lock died with the server. Every worker tries, each after removing its own
+    files: one that was still writing a file when another removed the folder's lock (which left
+    the folder behind) removes it once that file is gone."""
     for path in paths:
         handoff.unlink(path)
     if folder is not None:
-        handoff.remove_if_dead(folder)
+        handoff.remove_if_dead(folder, made=True)
 
 
 def _watch_parent(parent_pid: int, paths: list, folder: str | None) -> None:
@@ -121,7 +123,11 @@ def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, l
         try:
             conn.send((*reply, counts))
         except (OSError, EOFError):
-            handoff.unlink(paths[1])
+            # The server went while this task ran: as when the pipe breaks between tasks (above).
+            # (A worker busy when its server is killed comes here, not there; returning at once,
+            # it left the pool's folder behind.)
+            _parent_gone(parent_pid, within=PARENT_EXIT_WAIT)
+            _clean_up_after(paths, folder)
             return
 
 

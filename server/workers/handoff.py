@@ -206,11 +206,15 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _held(folder: str) -> bool:
-    """Whether a live pool holds this incarnation's lock (a folder still being made counts)."""
+def _held(folder: str, made: bool = False) -> bool:
+    """Whether a live pool holds this incarnation's lock. A folder without its lock is one still
+    being made, unless ``made`` (the caller knows it got its lock: then another cleaner is
+    removing it)."""
     try:
         fd = os.open(os.path.join(folder, LOCK), os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
+        if made:
+            return False
         try:
             return time.time() - os.stat(folder).st_mtime < UNLOCKED_AGE
         except OSError:
@@ -247,10 +251,12 @@ def sweep_dead(directory: str) -> int:
     return removed
 
 
-def remove_if_dead(folder: str) -> int:
+def remove_if_dead(folder: str, made: bool = False) -> int:
     """Remove an incarnation's folder if no live pool holds its lock; returns the task files it
-    held."""
-    if not os.path.isdir(folder) or os.path.islink(folder) or _held(folder):
+    held. ``made``: the caller knows the folder got its lock (a worker of its pool), so a folder
+    without one is the remains of a removal that a file written meanwhile kept from finishing
+    (``shutil.rmtree`` took the lock, then could not remove the folder), not one being made."""
+    if not os.path.isdir(folder) or os.path.islink(folder) or _held(folder, made):
         return 0
     try:
         files = sum(1 for n in os.listdir(folder) if n != LOCK)

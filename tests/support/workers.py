@@ -37,7 +37,10 @@ class FakeUnits(UnitSource):
     * ``("exit-once", marker)``: exits with code 4 unless the file ``marker`` exists, which it
       creates first (so the retry in a new worker succeeds);
     * ``"hang"``: never returns (an hour's sleep);
-    * ``"data"``: raises DataError; ``"bug"``: raises ZeroDivisionError.
+    * ``"data"``: raises DataError; ``"bug"``: raises ZeroDivisionError;
+    * ``("until-orphaned", marker)``: creates the file ``marker``, then decodes (polling every
+      5 ms) until the process that started this worker is gone, and returns the unit at once:
+      a worker busy when its serving process is killed.
     """
 
     def __init__(self, units: int = 8, rows: int = 10, behaviour: dict | None = None, **options) -> None:
@@ -82,6 +85,12 @@ class FakeUnits(UnitSource):
                 os._exit(4)
         if how == "hang":
             time.sleep(3600)  # a read that never returns
+        if isinstance(how, tuple) and how[0] == "until-orphaned":
+            parent = os.getppid()
+            open(how[1], "w").close()
+            deadline = time.monotonic() + 120.0
+            while os.getppid() == parent and time.monotonic() < deadline:
+                time.sleep(0.005)
         if how == "data":
             raise DataError(f"unit {u} is unreadable on purpose")
         if how == "bug":
@@ -133,3 +142,12 @@ def start_pool(pools: list, source, workers: int, **options) -> WorkerPool:
     pools.append(pool)
     pool.start()
     return pool
+
+
+def pool_with_a_unit_in_hand(source, handoff_dir: str) -> None:
+    """A serving process (run in a process of its own): a pool of one worker, given unit 0 of the
+    train split to decode; then it waits to be killed."""
+    pool = WorkerPool(source, 1, handoff_dir=handoff_dir)
+    pool.start()
+    pool.submit("train", 0, source.column_specs(("x", "sample_id")))
+    time.sleep(3600)
