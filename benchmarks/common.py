@@ -65,23 +65,25 @@ THREAD_ROLES = (("fl-produce", "producers"), ("fl-read", "read-ahead"), ("fl-fet
                 ("fl-workers", "workers"), ("fl-serve", "serving loop"), ("ZMQbg/IO", "libzmq"))
 
 
-def threads_cpu_by_role(pids: Iterable[int]) -> dict[str, float]:
-    """The CPU seconds of the live threads of these processes (and of their live descendants), by
-    role. Threads that ended are not counted: take it over a span the threads of interest live through."""
+def threads_cpu_by_role(pids: Iterable[int], children: bool = True) -> dict[str, float]:
+    """The CPU seconds of the live threads of these processes (and, with ``children``, of their live
+    descendants), by role. Threads that ended are not counted: take it over a span the threads of
+    interest live through."""
     out: dict[str, float] = {}
     for pid in pids:
-        for (proc, tid), (name, seconds) in threads_cpu_seconds(pid).items():
+        for (proc, tid), (name, seconds) in threads_cpu_seconds(pid, children).items():
             role = "main" if tid == proc else next((r for prefix, r in THREAD_ROLES if name.startswith(prefix)), "other")
             out[role] = out.get(role, 0.0) + seconds
     return out
 
 
 def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Sequence[int] | None = None,
-                 threads_of: Sequence[int] = ()) -> Round:
+                 threads_of: Sequence[int] = (), threads_of_children: bool = True) -> Round:
     """Consume a stream of batches (tuples of arrays whose first axis is rows), touching one
     element of every array so that nothing is merely passed along unread, and time it.
     ``producer_pid``: the sending process, or processes (their CPU is added up). ``threads_of``:
-    processes whose CPU is also taken by thread role (``threads_cpu_by_role``) over the timed span."""
+    processes whose CPU is also taken by thread role (``threads_cpu_by_role``) over the timed span,
+    with their child processes' unless ``threads_of_children`` is false."""
     pids = [] if producer_pid is None else [producer_pid] if isinstance(producer_pid, int) else list(producer_pid)
 
     def producers_cpu() -> float | None:
@@ -101,7 +103,7 @@ def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Se
             first = now
             cpu0 = time.process_time()
             prod0 = producers_cpu()
-            roles0 = threads_cpu_by_role(threads_of)
+            roles0 = threads_cpu_by_role(threads_of, threads_of_children)
             continue
         last = now
         rows += len(batch[0])
@@ -110,7 +112,7 @@ def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Se
         raise RuntimeError(f"a pass needs at least two batches to be timed, got {count}")
     cpu1 = time.process_time()
     prod1 = producers_cpu()
-    roles1 = threads_cpu_by_role(threads_of)
+    roles1 = threads_cpu_by_role(threads_of, threads_of_children)
     producer = prod1 - prod0 if prod0 is not None and prod1 is not None else None
     # (A thread that started after the first batch counts from 0; one that ended is left out.)
     roles = {role: max(0.0, roles1.get(role, 0.0) - roles0.get(role, 0.0)) for role in {*roles0, *roles1}} if threads_of else None

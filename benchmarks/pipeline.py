@@ -201,7 +201,8 @@ def in_process_round(source: WindowSource, epoch: list[int], epochs: int) -> Rou
             for b in source.iter_batches(SPLIT, epoch[0], 0, 1, 0, source.sources):
                 yield tuple(b.values())
 
-    return time_batches(batches(), threads_of=[os.getpid()])
+    # (Not this process's children: the servers and the DataLoaders' workers, idle meanwhile.)
+    return time_batches(batches(), threads_of=[os.getpid()], threads_of_children=False)
 
 
 def served_round(server: ServerProcess | Sequence[ServerProcess], epochs: int, connections: int = 1) -> Round:

@@ -61,10 +61,10 @@ def process_cpu_seconds(pid: int, skip: frozenset[int] = frozenset()) -> float |
     return own + sum(process_cpu_seconds(c, skip) or 0.0 for c in _children(pid) if c not in skip)
 
 
-def threads_cpu_seconds(pid: int) -> dict[tuple[int, int], tuple[str, float]]:
-    """Every live thread of a process and of its live descendants: (pid, thread id) -> (the name
-    the thread carries in the operating system, its CPU seconds, to the nanosecond). Threads that
-    ended are not there (``process_cpu_seconds`` counts them)."""
+def threads_cpu_seconds(pid: int, children: bool = True) -> dict[tuple[int, int], tuple[str, float]]:
+    """Every live thread of a process and (``children``) of its live descendants: (pid, thread id)
+    -> (the name the thread carries in the operating system, its CPU seconds, to the nanosecond).
+    Threads that ended are not there (``process_cpu_seconds`` counts them)."""
     out: dict[tuple[int, int], tuple[str, float]] = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -79,6 +79,6 @@ def threads_cpu_seconds(pid: int) -> dict[tuple[int, int], tuple[str, float]]:
         except (OSError, ValueError, IndexError):
             continue  # (it ended meanwhile)
         out[(pid, int(tid))] = (name, ns / 1e9)
-    for child in _children(pid):
+    for child in _children(pid) if children else ():
         out.update(threads_cpu_seconds(child))
     return out

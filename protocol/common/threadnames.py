@@ -29,4 +29,4 @@ def name_this_thread(name: str) -> None:
     if _prctl is None:
         return
     raw = name.encode("utf-8", "replace")[:MAX_NAME_BYTES]
-    _prctl(_PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)
+    _prctl(_PR_SET_NAME, ctypes.c_char_p(raw), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
