@@ -20,7 +20,7 @@ from fuelline.server.workers.pool import WorkerPool
 
 from support.processes import ServerProcess, wait_until
 from support.worker_processes import handoff_folders
-from support.workers import FakeUnits, FileSizeLimitedUnits, pool_with_a_unit_in_hand, start_pool
+from support.workers import FakeUnits, FileSizeLimitedUnits, StartsUntilOrphaned, pool_with_a_unit_in_hand, start_pool
 
 TIMEOUT = 60.0
 PIPED = "decoded units come through the worker processes' pipes instead"
@@ -123,6 +123,23 @@ def test_a_worker_busy_when_its_serving_process_is_killed_removes_the_pools_fold
         server.join(TIMEOUT)
     wait_until(lambda: not handoff_folders(server.pid, str(directory)), TIMEOUT,
                "the pool's folder removed by its worker, busy when its server was killed")
+
+
+def test_a_worker_still_starting_when_its_serving_process_is_killed_removes_the_pools_folder(tmp_path: Path) -> None:
+    # Its "ready" finds the pipe broken: it used to die there with a traceback, leaving the folder.
+    directory, started = tmp_path / "handoff", tmp_path / "started"
+    directory.mkdir()
+    server = multiprocessing.get_context("spawn").Process(
+        target=pool_with_a_unit_in_hand, args=(StartsUntilOrphaned(units=2), str(directory), str(started)))
+    server.start()
+    try:
+        wait_until(started.exists, TIMEOUT, "the pool started (its worker still setting up)")
+        assert len(handoff_folders(server.pid, str(directory))) == 1
+    finally:
+        server.kill()
+        server.join(TIMEOUT)
+    wait_until(lambda: not handoff_folders(server.pid, str(directory)), TIMEOUT,
+               "the pool's folder removed by its worker, still starting when its server was killed")
 
 
 # -- no room -------------------------------------------------------------------------------------

@@ -65,6 +65,13 @@ def _parent_gone(parent_pid: int, within: float = 2.0) -> bool:
     return True
 
 
+def _server_gone(parent_pid: int, paths: list, folder: str | None) -> None:
+    """The pipe to the serving process broke (at start-up, between tasks or with a reply): wait for
+    its exit to finish (which on a loaded host can take seconds), then remove what is ours."""
+    _parent_gone(parent_pid, within=PARENT_EXIT_WAIT)
+    _clean_up_after(paths, folder)
+
+
 def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, log_level: int,
                 task_timeout: float | None = None, folder: str | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
@@ -73,16 +80,24 @@ def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, l
         level=log_level, stream=sys.stderr,
         format=f"%(asctime)s %(name)s[worker {index}] %(levelname)s %(message)s",
     )
+    # paths[0]: the file of the task being written; paths[1]: the last one handed over.
+    paths: list = [None, None]
     try:
         source = pickle.loads(payload)
     except BaseException:
-        conn.send(("setup_failed", traceback.format_exc()))
+        try:
+            conn.send(("setup_failed", traceback.format_exc()))
+        except (OSError, EOFError):
+            _server_gone(parent_pid, paths, folder)
         return
-    # paths[0]: the file of the task being written; paths[1]: the last one handed over.
-    paths: list = [None, None]
     threading.Thread(target=_watch_parent, args=(parent_pid, paths, folder), name="parent-watch", daemon=True).start()
     seen = Counter(source.counters)
-    conn.send(("ready",))
+    try:
+        conn.send(("ready",))
+    except (OSError, EOFError):
+        # Killed while this worker was still starting: it has nobody to be ready for.
+        _server_gone(parent_pid, paths, folder)
+        return
     while True:
         eof = False
         try:
@@ -97,8 +112,7 @@ def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, l
                 # files, the pool's lock among them, before it is reparented, which on a loaded
                 # host can take seconds: wait for that, then remove what is ours. The folder goes
                 # only if no live pool holds its lock, so a server that lives keeps it.
-                _parent_gone(parent_pid, within=PARENT_EXIT_WAIT)
-                _clean_up_after(paths, folder)
+                _server_gone(parent_pid, paths, folder)
             return
         task_id, split, u, columns, path = message
         paths[0] = path
@@ -126,8 +140,7 @@ def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, l
             # The server went while this task ran: as when the pipe breaks between tasks (above).
             # (A worker busy when its server is killed comes here, not there; returning at once,
             # it left the pool's folder behind.)
-            _parent_gone(parent_pid, within=PARENT_EXIT_WAIT)
-            _clean_up_after(paths, folder)
+            _server_gone(parent_pid, paths, folder)
             return
 
 

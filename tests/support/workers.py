@@ -120,6 +120,25 @@ class UncopyableUnits(FakeUnits):
         super().__setstate__(state)
 
 
+class StartsUntilOrphaned(FakeUnits):
+    """Once ``arm``-ed in a serving process, its workers' copies take, to unpickle, until that
+    process is gone: a worker still starting when its serving process is killed."""
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.home: int | None = None
+
+    def arm(self) -> None:
+        self.home = os.getpid()
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if state["home"] is not None and os.getpid() != state["home"]:
+            deadline = time.monotonic() + 120.0
+            while os.getppid() == state["home"] and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+
 class FileSizeLimitedUnits(FakeUnits):
     """In a worker process, a file may grow to ``limit`` bytes only (RLIMIT_FSIZE, set as the
     worker unpickles its copy): a larger hand-off file fails there with EFBIG, for real, as a full
@@ -144,10 +163,15 @@ def start_pool(pools: list, source, workers: int, **options) -> WorkerPool:
     return pool
 
 
-def pool_with_a_unit_in_hand(source, handoff_dir: str) -> None:
+def pool_with_a_unit_in_hand(source, handoff_dir: str, started: str | None = None) -> None:
     """A serving process (run in a process of its own): a pool of one worker, given unit 0 of the
-    train split to decode; then it waits to be killed."""
+    train split to decode; creates the file ``started`` (if given) once the pool has started its
+    worker; then it waits to be killed."""
+    if isinstance(source, StartsUntilOrphaned):
+        source.arm()
     pool = WorkerPool(source, 1, handoff_dir=handoff_dir)
     pool.start()
     pool.submit("train", 0, source.column_specs(("x", "sample_id")))
+    if started is not None:
+        open(started, "w").close()
     time.sleep(3600)
