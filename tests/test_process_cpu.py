@@ -75,8 +75,9 @@ def test_counts_a_live_child_process() -> None:
     proc = _start(child)
     try:
         grandchild_own = float(_read_line(proc))
-        seen = process_cpu_seconds(proc.pid)
+        # (The child alone first: CPU clocks only go forward, so the sum read after cannot be less.)
         without = process_cpu_seconds(proc.pid, skip=frozenset(_children_of(proc.pid)))
+        seen = process_cpu_seconds(proc.pid)
     finally:
         _finish(proc)
     assert seen is not None and without is not None
