@@ -110,36 +110,33 @@ def test_a_folder_that_lost_its_lock_to_a_removal_is_removed_by_a_worker_of_its_
 def test_a_worker_busy_when_its_serving_process_is_killed_removes_the_pools_folder(tmp_path: Path) -> None:
     # The worker's reply to a task it was decoding finds the pipe broken (not the next read): it
     # used to exit at once there, leaving the pool's folder in /dev/shm.
-    directory, started = tmp_path / "handoff", tmp_path / "started"
-    directory.mkdir()
-    source = FakeUnits(units=2, behaviour={0: ("until-orphaned", str(started))})
-    server = multiprocessing.get_context("spawn").Process(target=pool_with_a_unit_in_hand, args=(source, str(directory)))
-    server.start()
-    try:
-        wait_until(started.exists, TIMEOUT, "the worker decoding its unit")
-        assert len(handoff_folders(server.pid, str(directory))) == 1
-    finally:
-        server.kill()
-        server.join(TIMEOUT)
-    wait_until(lambda: not handoff_folders(server.pid, str(directory)), TIMEOUT,
-               "the pool's folder removed by its worker, busy when its server was killed")
+    decoding = tmp_path / "decoding"
+    source = FakeUnits(units=2, behaviour={0: ("until-orphaned", str(decoding))})
+    _kill_the_server_and_see_its_folder_go(tmp_path, source, "busy decoding its unit", decoding)
 
 
 def test_a_worker_still_starting_when_its_serving_process_is_killed_removes_the_pools_folder(tmp_path: Path) -> None:
     # Its "ready" finds the pipe broken: it used to die there with a traceback, leaving the folder.
-    directory, started = tmp_path / "handoff", tmp_path / "started"
+    _kill_the_server_and_see_its_folder_go(tmp_path, StartsUntilOrphaned(units=2), "still starting")
+
+
+def _kill_the_server_and_see_its_folder_go(tmp_path: Path, source: FakeUnits, worker: str, ready: Path | None = None) -> None:
+    """A serving process of one worker (``pool_with_a_unit_in_hand``), killed once the file
+    ``ready`` exists (by default once its pool has started), its worker ``worker``: the pool's
+    folder must go with it."""
+    directory, started = tmp_path / "handoff", tmp_path / "pool-started"
     directory.mkdir()
-    server = multiprocessing.get_context("spawn").Process(
-        target=pool_with_a_unit_in_hand, args=(StartsUntilOrphaned(units=2), str(directory), str(started)))
+    server = multiprocessing.get_context("spawn").Process(target=pool_with_a_unit_in_hand,
+                                                          args=(source, str(directory), str(started)))
     server.start()
     try:
-        wait_until(started.exists, TIMEOUT, "the pool started (its worker still setting up)")
+        wait_until((ready or started).exists, TIMEOUT, f"the worker {worker}")
         assert len(handoff_folders(server.pid, str(directory))) == 1
     finally:
         server.kill()
         server.join(TIMEOUT)
     wait_until(lambda: not handoff_folders(server.pid, str(directory)), TIMEOUT,
-               "the pool's folder removed by its worker, still starting when its server was killed")
+               f"the pool's folder removed by its worker, {worker} when its server was killed")
 
 
 # -- no room -------------------------------------------------------------------------------------

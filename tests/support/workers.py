@@ -88,9 +88,7 @@ class FakeUnits(UnitSource):
         if isinstance(how, tuple) and how[0] == "until-orphaned":
             parent = os.getppid()
             open(how[1], "w").close()
-            deadline = time.monotonic() + 120.0
-            while os.getppid() == parent and time.monotonic() < deadline:
-                time.sleep(0.005)
+            _until_orphaned(parent)
         if how == "data":
             raise DataError(f"unit {u} is unreadable on purpose")
         if how == "bug":
@@ -120,6 +118,13 @@ class UncopyableUnits(FakeUnits):
         super().__setstate__(state)
 
 
+def _until_orphaned(parent: int, within: float = 120.0) -> None:
+    """Return once this process's parent is no longer ``parent`` (it died), or after ``within`` s."""
+    deadline = time.monotonic() + within
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 class StartsUntilOrphaned(FakeUnits):
     """Once ``arm``-ed in a serving process, its workers' copies take, to unpickle, until that
     process is gone: a worker still starting when its serving process is killed."""
@@ -134,9 +139,7 @@ class StartsUntilOrphaned(FakeUnits):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         if state["home"] is not None and os.getpid() != state["home"]:
-            deadline = time.monotonic() + 120.0
-            while os.getppid() == state["home"] and time.monotonic() < deadline:
-                time.sleep(0.005)
+            _until_orphaned(state["home"])
 
 
 class FileSizeLimitedUnits(FakeUnits):
