@@ -155,6 +155,28 @@ class BlockReader:
         # A lost unit has no entry; gather never reads its rows.
         return {u: part for u, part in ((u, self._result(u, f)) for u, f in jobs) if part is not None}
 
+    def waits_for(self, rows: np.ndarray) -> list[Future]:
+        """The decodes a gather of these rows would wait for now: none, if it would not wait.
+        The blocks it needs that were not asked for yet are asked for (as it would ask for
+        them), and a decode another reader gave up is asked for again, so that the futures
+        returned are the ones the gather will wait on."""
+        if not len(rows):
+            return []
+        units = np.searchsorted(self.unit_start, np.asarray(rows, dtype=np.int64), side="right") - 1
+        waiting: list[Future] = []
+        for b in np.unique(self.block_of_unit[units]).tolist():
+            if b in self.blocks:
+                continue
+            self._read_ahead(b)
+            jobs = self.pending[b]
+            for i, (u, future) in enumerate(jobs):
+                if future is not None and future.cancelled():
+                    future = self.submit(u)
+                    jobs[i] = (u, future)
+                if future is not None and not future.done():
+                    waiting.append(future)
+        return waiting
+
     def block(self, b: int) -> dict[int, dict[str, np.ndarray]]:
         if b in self.blocks:
             units = self.blocks.pop(b)

@@ -19,14 +19,14 @@ import os
 import pickle
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, cast
 
 import numpy as np
 
 from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.cache.decoded import DecodedUnits
 from fuelline.server.sources.block_reader import BlockReader, Column
-from fuelline.server.sources.contract import Batches, BatchSource
+from fuelline.server.sources.contract import Batches, BatchSource, Steps, Waiting
 from fuelline.server.sources.options import SourceOptions
 from fuelline.server.sources.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows, remaining_order
 
@@ -54,6 +54,7 @@ class UnitSource(BatchSource):
     _serving_only: tuple[str, ...] = ()
     _TRANSIENT = ("_pool", "_pool_lock", "_process_pool", "_decoded")
     immutable_batches = True  # batches are never written once yielded (the memory tier keeps them as they are)
+    cooperative = True  # decodes run on read-ahead threads or worker processes: ``iter_steps`` waits on none
     store: Any = None  # where a subclass reads its files (fuelline.server.sources.storage.Store), if it has one
 
     def __init__(self, options: SourceOptions) -> None:
@@ -225,6 +226,23 @@ class UnitSource(BatchSource):
         cannot be read is left out of its batches (which come out shorter) and ``on_loss`` is
         told which and how many rows; otherwise its DataError ends the epoch. ``history``: the
         segments of this epoch already run at other world sizes (see ``remaining_order``)."""
+        # (Not cooperative, it never yields a Waiting.)
+        return cast(Batches, self._steps(split, epoch, rank, world_size, start, sources, on_loss, history, cooperative=False))
+
+    def iter_steps(
+        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
+        on_loss: Callable[[str], None] | None = None,
+        history: Sequence[tuple[int, int]] = (),
+    ) -> Steps:
+        """``iter_batches``, with a ``Waiting`` yielded before a gather whose units are still
+        being decoded: a serving loop that prepares batches on its own thread serves its other
+        clients meanwhile."""
+        return self._steps(split, epoch, rank, world_size, start, sources, on_loss, history, cooperative=True)
+
+    def _steps(
+        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
+        on_loss: Callable[[str], None] | None, history: Sequence[tuple[int, int]], *, cooperative: bool,
+    ) -> Steps:
         plan = self._plan(split, epoch)
         order = remaining_order(plan.order, history, self.batch_size) if history else plan.order
         rows = rank_rows(order, rank, world_size)
@@ -239,6 +257,8 @@ class UnitSource(BatchSource):
         try:
             for b in range(start, count, step):
                 chunk = rows[b * self.batch_size : min(b + step, count) * self.batch_size]
+                while cooperative and (waits := reader.waits_for(chunk)):
+                    yield Waiting(waits)
                 # (A generator expression: no name here keeps a batch, and with it the buffers
                 # of its gather, alive while the next batches are gathered.)
                 yield from (self.finish_batch(split, batch, sources) for batch in reader.gather_batches(chunk, self.batch_size))

@@ -15,17 +15,32 @@ written to), and a source that has such things overrides them.
 from __future__ import annotations
 
 import abc
+from concurrent.futures import Future
 from typing import Any, Callable, Generator, Mapping, Sequence
 
 import numpy as np
 
 from fuelline.server.sources.counters import Counts
 
-__all__ = ["BatchSource", "Batches"]
+__all__ = ["BatchSource", "Batches", "Steps", "Waiting"]
 
 # What ``iter_batches`` returns: a generator, so that a session that stops early closes it and
 # the source lets go of its files, threads and buffers at once.
 Batches = Generator[dict[str, np.ndarray], None, None]
+
+
+class Waiting:
+    """What ``iter_steps`` yields where its next batch needs work done on other threads (a
+    decode): the futures of that work. Asked again once they are done, it goes on."""
+
+    __slots__ = ("futures",)
+
+    def __init__(self, futures: Sequence[Future]) -> None:
+        self.futures = tuple(futures)
+
+
+# What ``iter_steps`` returns: batches, and a ``Waiting`` wherever the next one is not ready.
+Steps = Generator["dict[str, np.ndarray] | Waiting", None, None]
 
 
 class BatchSource(abc.ABC):
@@ -36,6 +51,10 @@ class BatchSource(abc.ABC):
     immutable_batches: bool = False
     # Worker processes asked for (``--workers``), for the metrics.
     workers: int = 0
+    # ``iter_steps`` never waits (it yields ``Waiting`` instead), and preparing a batch is work a
+    # serving loop may do on its own thread between requests; otherwise each client's batches
+    # are prepared on a thread of their own, which may wait on anything.
+    cooperative: bool = False
 
     def __init__(self) -> None:
         # Event counts (cache hits and misses per tier, worker restarts...) for status and metrics.
@@ -88,6 +107,14 @@ class BatchSource(abc.ABC):
                 ``(world_size, batches)`` pairs (``fuelline.server.sources.ordering.remaining_order``);
                 a source that cannot resume on another world size raises ``DataError`` for any.
         """
+
+    def iter_steps(
+        self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
+        on_loss: Callable[[str], None] | None = None, history: Sequence[tuple[int, int]] = (),
+    ) -> Steps:
+        """``iter_batches``, with a ``Waiting`` yielded wherever the next batch is not ready
+        instead of waiting for it. A ``cooperative`` source overrides it; this default waits."""
+        yield from self.iter_batches(split, epoch, rank, world_size, start, sources, on_loss, history)
 
     @abc.abstractmethod
     def close(self) -> None:
