@@ -205,8 +205,9 @@ def _markdown(record: dict[str, Any], title: str, metrics: Sequence[Metric]) -> 
     split = {name: e["cpu_ms_per_batch_by_thread"] for name, e in record["contenders"].items()
              if e.get("cpu_ms_per_batch_by_thread")}
     if split:
-        lines += ["", "CPU ms per batch by thread (median of rounds; main: a server's serving loop, a consumer's own "
-                  "work; producers: gathering and placing batches; read-ahead: decoding; libzmq: its I/O threads):", ""]
+        lines += ["", "CPU ms per batch by thread (median of rounds; main: a server's serving loop, which gathers and "
+                  "places a unit source's batches itself, or a consumer's own work; producers: threads that prepare "
+                  "the batches of other sources; read-ahead: decoding; libzmq: its I/O threads):", ""]
         lines += [f"- {name}: " + ", ".join(f"{role} {ms:.3f}" for role, ms in sorted(roles.items(), key=lambda kv: -kv[1])
                                           if ms >= 0.0005)
                   for name, roles in split.items()]

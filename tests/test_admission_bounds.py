@@ -126,6 +126,87 @@ def test_a_client_that_grants_credit_and_reads_nothing_is_dropped_and_costs_at_m
     assert "Traceback" not in text
 
 
+@pytest.mark.timeout(60)
+def test_a_client_that_says_hello_again_and_again_and_reads_nothing_is_dropped_as_not_reading(
+    wide_dataset: Path, start_serve, zmq_context
+) -> None:
+    # Each Hello replaces the session before, whose batches may still be on their way: the new
+    # one's wait for room in the peer's queue (an honest client that starts again is not dropped
+    # for that), and so do their Welcomes. A peer whose queue stays full, or that piles up
+    # Welcomes it never reads, is dropped.
+    hwm, memory_cache, control_messages = 4, 10, 16
+    server = start_serve(wide_dataset, "--batch-size", str(WIDE_BATCH), "--hwm", str(hwm),
+                         "--memory-cache", str(memory_cache))
+    honest, attack_over = start_honest(server.port)
+    rss = RssSampler(server.proc.pid)
+    peer = Peer(zmq_context, server.port, rcvhwm=1)  # reads (almost) nothing
+    dropped = re.compile(r"client again#\w+ dropped: not reading")
+    hellos = 0
+    try:
+        deadline = time.monotonic() + 20.0
+        while not dropped.search(server.log()) and time.monotonic() < deadline:
+            peer.send(Hello("again", stream=hellos, epoch=hellos % 3, credit=hwm, heartbeat=3600.0))
+            hellos += 1
+            time.sleep(0.02)  # pacing the attack, so that each Hello meets the last one's batches
+        text = server.wait_log(dropped.pattern, timeout=1.0)
+    finally:
+        attack_over.set()
+        try:
+            honest.check_epoch(WIDE_ROWS)
+        finally:
+            rss_peak = rss.stop()
+            peer.close()
+    assert server.proc.poll() is None, server.log()[-3000:]
+    print(f"\n{hellos} Hellos: {dropped.search(text).group(0)!r}; server RSS {rss.baseline:.0f} -> {rss_peak:.0f} MB")
+    batch_mb = WIDE_BATCH * 256 * 4 / 2**20
+    bound = (memory_cache + 3 * hwm + control_messages) * batch_mb + 96
+    assert rss_peak - rss.baseline < bound, f"server RSS grew {rss_peak - rss.baseline:.0f} MB (bound {bound:.0f})"
+    assert "Traceback" not in text
+
+
+FULL_QUEUE_SERVER = """
+import zmq
+from fuelline.server.serving.server import Server
+from fuelline.server.serving.start import serve_until_signalled
+from fuelline.server.sources.parquet import ParquetSource
+
+server = Server(ParquetSource({path!r}, batch_size=640), port=0, hwm=2, heartbeat=0.2, local_ipc=False)
+server.bind()
+# Small socket buffers: what is sent and not read fills libzmq's queue at once, not megabytes
+# of the kernel's buffers first.
+server._router.setsockopt(zmq.SNDBUF, 65536)
+serve_until_signalled(server)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_whose_send_queue_stays_full_is_dropped_as_not_reading(wide_dataset: Path, start_script,
+                                                                       zmq_context) -> None:
+    server = start_script(FULL_QUEUE_SERVER.format(path=str(wide_dataset)))
+    peer = Peer(zmq_context, server.port, rcvhwm=1)
+    peer.sock.setsockopt(zmq.RCVBUF, 65536)
+    dropped = re.compile(r"client full#\w+ dropped: not reading")
+    hellos = 0
+    try:
+        # Hellos, each replacing the session before, whose Welcome and 2 batches of 655 kB fill
+        # a queue of 2 batches and 16 control messages within a few; paced so that a queue full
+        # for 3 heartbeats (0.6 s) comes before 16 Welcomes are piled up behind it.
+        deadline = time.monotonic() + 20.0
+        while not dropped.search(server.log()) and time.monotonic() < deadline:
+            peer.send(Hello("full", stream=hellos, credit=2, heartbeat=3600.0))
+            hellos += 1
+            time.sleep(0.1)  # pacing the attack
+        text = server.wait_log(dropped.pattern, timeout=1.0)
+    finally:
+        peer.close()
+    assert server.proc.poll() is None, server.log()[-3000:]
+    match = dropped.search(text)
+    assert match is not None
+    why = text[match.start():].splitlines()[0]
+    assert "its send queue full for" in why, why
+    assert "Traceback" not in text
+
+
 # -- attack 3: big messages of a kind that carries no arrays ----------------------------------------
 @pytest.mark.timeout(90)
 def test_messages_of_many_frames_are_refused_by_their_header_without_copying_them(

@@ -154,7 +154,11 @@ def hello_flood(ctx: zmq.Context, endpoint: str, failures: list[str]) -> None:
     connection (each replaces the session before), some naming absurd world sizes and positions.
     None may cost more than its hwm of batches, and every one is welcomed."""
     peers = [Peer(ctx, endpoint) for _ in range(200)]
-    one = Peer(ctx, endpoint)
+    # Each of its sessions may be sent its hwm of batches before the next Hello replaces it: up
+    # to 800 batches and 200 Welcomes before it reads any. Like fuelline's client (RCVHWM 0:
+    # credit bounds what comes in), it takes them all in; with libzmq's default of 1000 messages
+    # it would stop taking them in, and a server drops a peer that does not read.
+    one = Peer(ctx, endpoint, rcvhwm=0)
     try:
         for i, peer in enumerate(peers):
             world = [1, 7, 2**22, 2**62][i % 4]  # a world size that once allocated world × rows/rank

@@ -49,11 +49,31 @@ def test_a_thread_names_itself_and_a_long_name_is_cut_to_what_linux_keeps() -> N
         assert f.read().strip() not in seen.values()
 
 
-def test_a_serving_process_names_its_producer_and_read_ahead_threads(sample_dataset: Path, start_serve) -> None:
+def test_a_serving_process_names_its_read_ahead_threads_and_has_no_producer_for_a_unit_source(
+        sample_dataset: Path, start_serve) -> None:
     server = start_serve(sample_dataset, "--batch-size", "100")
-    before = _thread_names(server.proc.pid)
-    assert "fl-produce" not in before  # a producer starts with a client's first credit
     with ServerDataStream(("sample_id",), endpoints=[server.endpoint], timeout=TIMEOUT, hwm=2) as stream:
         next(iter(stream.get_epoch_iterator()))
         during = _thread_names(server.proc.pid)
-    assert "fl-produce" in during and "fl-read" in during, during
+    # (Its batches are prepared by the serving loop, the process's main thread.)
+    assert "fl-read" in during and "fl-produce" not in during, during
+
+
+def test_a_fuel_stream_servers_producer_thread_is_named(start_script) -> None:
+    server = start_script("""
+import numpy as np
+from fuelline.server import start_server
+
+class Stream:
+    sources = ("x",)
+    def get_epoch_iterator(self, **kwargs):
+        return iter([(np.arange(4),)] * 1000)
+
+start_server(Stream(), port=0, hwm=2)
+""")
+    before = _thread_names(server.proc.pid)
+    assert "fl-produce" not in before  # a producer starts with a client's first credit
+    with ServerDataStream(None, endpoints=[server.endpoint], timeout=TIMEOUT, hwm=2) as stream:
+        next(iter(stream.get_epoch_iterator()))
+        during = _thread_names(server.proc.pid)
+    assert "fl-produce" in during, during

@@ -1,13 +1,14 @@
 """Who gets a session: the server's caps on sessions, in all and per peer address.
 
 Sessions, threads and memory are bounded by the server's own caps, whatever peers send or claim.
-A session holds a producer thread and up to 2 × hwm batches only once its client has granted
-credit; before that it holds a place and nothing else. So when a cap is reached the server
-refuses the newcomer (``ErrorCode.BUSY``, naming the cap) rather than drop a working session.
-Idle sessions (whose client never granted credit) give way instead: to a newcomer that grants
-credit at once, the oldest of them, so connections that say Hello and then nothing cannot lock an
-honest client out however many they are; to another idle newcomer, only one idle for ``grace``
-seconds, so idle connections cannot take each other's places in a loop either.
+Only once its client has granted credit does a session have batches prepared (up to 2 × hwm
+held) and, for a Fuel-style stream, a producer thread; before that it holds a place and nothing
+else. So when a cap is reached the server refuses the newcomer (``ErrorCode.BUSY``, naming the
+cap) rather than drop a working session. Idle sessions (whose client never granted credit) give
+way instead: to a newcomer that grants credit at once, the oldest of them, so connections that say
+Hello and then nothing cannot lock an honest client out however many they are; to another idle
+newcomer, only one idle for ``grace`` seconds, so idle connections cannot take each other's places
+in a loop either.
 
 Defaults: 256 sessions, a place per client for a large training job (32 hosts × 8 ranks, or one
 host's ranks × DataLoader workers × splits), and far below the thread limits of a host or a

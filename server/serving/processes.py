@@ -1,7 +1,7 @@
 """``fuelline serve --processes N``: N serving processes behind one port.
 
-Why: a serving process prepares every session's batches on threads that share Python's
-interpreter lock, so it serves from about one core, whatever the host has (docs/sizing.md). With
+Why: a serving process prepares every session's batches on threads (its serving loop's, and
+those that decode ahead) that share Python's interpreter lock, so it serves from about one core, whatever the host has (docs/sizing.md). With
 ``--processes N``, N serving processes listen on the same port (``shared_port``) and the kernel
 hands each new connection to one of them. Each is a whole ``fuelline serve``: its own source,
 caches, worker processes and Unix socket for the clients on its host. A client's session lives in

@@ -2,8 +2,10 @@
 
 The loop alone touches the socket. It answers requests, sends what sessions have prepared while
 their clients have credit, sends heartbeats to clients it has been silent to, and drops clients
-it has not heard from for three of their heartbeat intervals. Producer threads wake it through a
-pipe, so a batch that becomes ready is sent at once, not at the next poll timeout.
+it has not heard from for three of their heartbeat intervals. It prepares the batches of a
+cooperative source's sessions itself, a slice at a time between requests
+(``fuelline.server.serving.session``); producer threads, and decodes a session waits for, wake
+it through a pipe, so a batch that becomes ready is sent at once, not at the next poll timeout.
 
 Whatever peers send or claim, the server's own caps bound what they cost: sessions in all and per
 address (``fuelline.server.serving.admission``), the heartbeat interval a client may claim, the credit it
@@ -43,7 +45,7 @@ from fuelline.server.cache.memory import RecentBatches
 from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS, LOCAL, Admission, default_max_heartbeat, peer_of
 from fuelline.server.serving.inbound import decode_request
 from fuelline.server.serving.keys import CurveConfig
-from fuelline.server.serving.listener import Listener
+from fuelline.server.serving.listener import CONTROL_MESSAGES, Listener
 from fuelline.server.serving.session import Session
 from fuelline.server.serving.slabs import SessionSlabs
 from fuelline.server.serving.status import StatusLine, counters
@@ -54,6 +56,14 @@ __all__ = ["Server"]
 log = logging.getLogger("fuelline.server")
 
 SHUTDOWN_JOIN = 2.0  # seconds all producer threads together get to finish at shutdown
+# Heartbeat intervals a peer's send queue may stay full, with items waiting to go to it, before
+# it is dropped as not reading. A queue fills for a moment where a Hello replaced a session whose
+# batches are still on their way, and the new one's follow them.
+NOT_READING_BEATS = 3
+RETRY_FULL = 0.005  # seconds between tries at a full send queue
+# Seconds the loop prepares one session's batches before it turns to the next session and its
+# requests (a gather of several batches at once may run past it: 10-20 ms of 4 MB).
+PREPARE_SLICE = 0.005
 
 
 class Server(Listener):
@@ -171,7 +181,11 @@ class Server(Listener):
             ready(self.endpoint)  # type: ignore[arg-type]
         try:
             while self._stop_reason is None:
-                timeout = max(0.0, next_tick - time.monotonic())
+                # (A session with batches to prepare leaves no time to wait: a look, and on.)
+                busy = any(session.can_advance for session in self.sessions.values())
+                timeout = 0.0 if busy else max(0.0, next_tick - time.monotonic())
+                if timeout > RETRY_FULL and any(s.blocked_since is not None for s in self.sessions.values()):
+                    timeout = RETRY_FULL  # (a full queue is looked at again soon: libzmq says nothing when it empties)
                 events = dict(poller.poll(int(timeout * 1000)))
                 if router in events:
                     self._drain_requests(router)
@@ -184,6 +198,8 @@ class Server(Listener):
                     self._wake_pending = False  # after the drain, or a ring during it is lost
                 for session in list(self.sessions.values()):
                     self._guarded(session.routing_id, "sending", self._flush, session)
+                    if session.can_advance:
+                        self._guarded(session.routing_id, "preparing a batch", self._prepare, session)
                 now = time.monotonic()
                 if now >= next_tick:
                     self._keepalive(now)
@@ -336,8 +352,14 @@ class Server(Listener):
             self._drop(verdict.evict, f"granted no credit in {idle:.1f}s; its place went to a new client", logging.INFO)
             self._send(verdict.evict.routing_id, encode(Bye(f"server full, and this session granted no credit in {idle:.0f}s")))
         old = self.sessions.pop(rid, None)
+        # A Welcome the session this Hello replaces could not send yet (its peer's queue full)
+        # still goes, first: every Hello is answered. A peer that does not read cannot pile them up.
+        carried = old.unsent_welcomes() if old is not None else []
         if old is not None:
             old.stop()
+            if len(carried) >= CONTROL_MESSAGES:
+                self._drop(old, f"not reading: {len(carried)} Welcomes waiting for room in its send queue")
+                return
         for other in twins:
             # A client on this host moves to the Unix socket once welcomed over TCP: routine, not news.
             if peer == LOCAL and other.peer != LOCAL:
@@ -370,16 +392,30 @@ class Server(Listener):
             fingerprint=src.fingerprint(hello.split),
         )
         # Before the Welcome: a session the server has no thread for is refused, not welcomed.
-        if self._start(session) and self._send(rid, encode(welcome)) and old is None:
+        if not self._start(session):
+            return
+        # Queued ahead of its batches: it waits with them where the peer's queue is full (of the
+        # batches of a session this Hello replaced, say).
+        session.put_first(*carried, ("welcome", encode(welcome), 0))
+        session.blocked_since = old.blocked_since if old is not None else None
+        self._flush(session)
+        if old is None and self.sessions.get(rid) is session:
             log.info(
                 "client %s: rank %d of %d, split %r, from epoch %d batch %d",
                 name, hello.rank, hello.world_size, hello.split, hello.epoch, hello.cursor,
             )
 
     def _flush(self, session: Session) -> None:
-        for kind, frames, nbytes in session.take_sendable():
-            if not self._send(session.routing_id, frames):
+        items = session.take_sendable()
+        for i, (kind, frames, nbytes) in enumerate(items):
+            if not self._send(session.routing_id, frames, drop_if_full=False):
+                # Full (or the peer is gone, and the session goes at the end of this turn): the
+                # rest waits, and a queue that stays full is a peer not reading (_keepalive).
+                session.requeue(items[i:])
+                if session.blocked_since is None:
+                    session.blocked_since = time.monotonic()
                 return
+            session.blocked_since = None
             if kind in ("batch", "end"):
                 session.sent_items += 1  # (heartbeats tell the client, which counts what arrived)
             if kind == "batch":
@@ -387,6 +423,11 @@ class Server(Listener):
                 self.stats["bytes"] += nbytes
                 if len(frames) == 1 and nbytes:
                     self.stats["batches_shared"] += 1
+
+    def _prepare(self, session: Session) -> None:
+        """A slice of an inline session's batches, sent as far as its credit goes."""
+        session.advance(time.monotonic() + PREPARE_SLICE)
+        self._flush(session)
 
     def counters(self) -> dict[str, int]:
         """Everything counted so far: batches and bytes sent, sessions, the cache tiers' hits and
@@ -400,6 +441,8 @@ class Server(Listener):
             if now - session.last_heard > 3 * session.client_heartbeat:
                 self.stats["dropped_silent"] += 1
                 self._drop(session, f"silent for {now - session.last_heard:.1f}s (3 heartbeat intervals)")
+            elif session.blocked_since is not None and now - session.blocked_since > NOT_READING_BEATS * self.heartbeat:
+                self._drop(session, f"not reading: its send queue full for {now - session.blocked_since:.1f}s")
             elif now - session.last_sent >= self.heartbeat:
                 # A heartbeat that finds the peer's queue full is not sent, and costs nothing:
                 # the peer has plenty to read, and its own silence, not ours, decides its fate.

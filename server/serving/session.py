@@ -1,11 +1,18 @@
-"""One client's session on a server: its position, its credit, and the thread that prepares its
-batches.
+"""One client's session on a server: its position, its credit, and its producer, which prepares
+its batches.
 
-The producer thread runs ahead of the client by at most ``hwm`` prepared batches; the serving loop
-sends them while the client has credit and fewer than ``hwm`` batches in flight. So a session
-holds at most 2 × hwm batches however slow its client, and a client's memory holds at most its
-own hwm. The thread starts with the client's first credit: a session never granted any holds no
-thread and no batch, so idle connections cost the server next to nothing.
+The producer runs ahead of the client by at most ``hwm`` prepared batches; the serving loop sends
+them while the client has credit and fewer than ``hwm`` batches in flight. So a session holds at
+most 2 × hwm batches however slow its client, and a client's memory holds at most its own hwm.
+The producer starts with the client's first credit: a session never granted any holds no batch,
+so idle connections cost the server next to nothing.
+
+Where it runs: a ``cooperative`` source's batches (one whose decodes run on threads or processes
+of its own: Parquet, aligned windows) are prepared by the serving loop itself, between requests
+(``advance``), a few at a time; where a batch's units are still being decoded the loop serves the
+others and is rung once they are done. One thread then does all of a batch's work, with no
+hand-off of the interpreter lock between a producer and the loop for each batch. Any other source
+(a Fuel-style stream, which may block on anything) gets a producer thread of its own.
 
 Credit is believed only as far as an honest client could grant it (``grant``): the server never
 counts more than hwm batches as granted or in flight, and a client that returns credit for more
@@ -19,7 +26,8 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Any, Callable, Iterator
+from concurrent.futures import Future
+from typing import Any, Callable, ContextManager, Iterator
 
 import numpy as np
 
@@ -30,7 +38,7 @@ from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.cache.memory import RecentBatches
 from fuelline.server.serving.slabs import SessionSlabs
 from fuelline.server.sources.buffers import allocating
-from fuelline.server.sources.contract import BatchSource
+from fuelline.server.sources.contract import BatchSource, Waiting
 
 __all__ = ["Session"]
 
@@ -80,6 +88,9 @@ class Session:
         self.client_heartbeat = min(hello.heartbeat, max_heartbeat)
         self.created = self.last_heard = self.last_sent = time.monotonic()
         self.sent_batches = 0
+        # Since when the peer's send queue has been full (libzmq's SNDHWM), with items waiting
+        # here to go; None while it takes what is sent.
+        self.blocked_since: float | None = None
         self.sent_items = 0  # batches and ends of epoch the loop has sent (see Heartbeat.sent)
         # Credit returned for batches this session did not send (see grant).
         self._returned_unsent = 0
@@ -99,6 +110,11 @@ class Session:
         self._stopped = False
         self._producer_waiting = False
         self._thread: threading.Thread | None = None
+        # Prepared on the serving loop's thread (``advance``), not a thread of its own.
+        self.inline = bool(source.cooperative)
+        self._started = False
+        self._steps: Iterator[Waiting | None] | None = None  # inline: the producer, while it runs
+        self._waiting: tuple[Future, ...] = ()  # inline: the decodes its next batch needs
 
     @property
     def queued(self) -> int:
@@ -107,8 +123,17 @@ class Session:
 
     @property
     def producing(self) -> bool:
-        """Whether the producer thread was started (the client granted credit)."""
-        return self._thread is not None
+        """Whether the producer was started (the client granted credit)."""
+        return self._started
+
+    @property
+    def can_advance(self) -> bool:
+        """Inline: whether ``advance`` would prepare a batch now (room for it, and no decode to
+        wait for)."""
+        return (
+            self._steps is not None and not self._stopped and len(self._ready) < self.hwm
+            and all(f.done() for f in self._waiting)
+        )
 
     @property
     def producer_alive(self) -> bool:
@@ -122,16 +147,24 @@ class Session:
         Raises:
             RuntimeError: no thread could be started (the process is at its thread limit).
         """
-        if self._thread is None and self.credit > 0 and not self._stopped:
+        if self._started or self.credit <= 0 or self._stopped:
+            return
+        if self.inline:
+            self._steps = self._production()
+        else:
             thread = threading.Thread(target=self._produce, name=f"fuelline-{self.name}", daemon=True)
             thread.start()
             self._thread = thread  # (only once started: a failed start leaves nothing to join)
+        self._started = True
 
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
             self._ready.clear()
             self._cond.notify_all()
+        steps, self._steps = self._steps, None
+        if steps is not None:
+            steps.close()  # (its reader lets go of its decodes and blocks, before its slabs go)
         if self.slabs is not None:
             self.slabs.close()
 
@@ -176,6 +209,32 @@ class Session:
         self.credit = min(self.credit + n, self.hwm - self.in_flight)
         self.granted = True
 
+    def advance(self, until: float) -> None:
+        """Inline: prepare batches on this thread (the serving loop's) until ``hwm`` are ready,
+        the next one waits for a decode (whose end rings the loop), the session's producer ends,
+        or the clock passes ``until`` (a gather of several batches may take it past)."""
+        if not self.can_advance:
+            return
+        assert self._steps is not None
+        self._waiting = ()
+        with self._allocating():
+            while len(self._ready) < self.hwm:
+                try:
+                    step = next(self._steps)
+                except StopIteration:
+                    self._steps = None
+                    return
+                if step is not None:
+                    self._waiting = step.futures
+                    for future in step.futures:
+                        future.add_done_callback(self._decoded)
+                    return
+                if time.monotonic() >= until:
+                    return
+
+    def _decoded(self, _future: Future) -> None:
+        self._wake()
+
     def never_granted_for(self, grace: float, now: float) -> bool:
         """Whether the client has never granted credit, for at least ``grace`` seconds."""
         return not self.granted and now - self.created >= grace
@@ -199,17 +258,41 @@ class Session:
                 self._cond.notify()  # only the producer ever waits, and notify costs even with none
         return out
 
-    # -- producer thread -----------------------------------------------------------------------
-    def _put(self, item: Outgoing) -> bool:
+    def requeue(self, items: list[Outgoing]) -> None:
+        """Items ``take_sendable`` gave that could not be sent (the peer's queue was full): back
+        at the head, in order, with their credit, to go first once there is room."""
         with self._cond:
-            while len(self._ready) >= self.hwm and not self._stopped:
+            for item in reversed(items):
+                if item[0] == "batch":
+                    self.credit += 1
+                    self.in_flight -= 1
+                    self.sent_batches -= 1
+                self._ready.appendleft(item)
+
+    def put_first(self, *items: Outgoing) -> None:
+        """Items to go, in order, before anything prepared (Welcomes)."""
+        with self._cond:
+            self._ready.extendleft(reversed(items))
+
+    def unsent_welcomes(self) -> list[Outgoing]:
+        """The Welcomes still waiting for room in the peer's queue."""
+        with self._cond:
+            return [item for item in self._ready if item[0] == "welcome"]
+
+    # -- the producer ---------------------------------------------------------------------------
+    def _put(self, item: Outgoing) -> bool:
+        """Queue an item for the loop to send; a producer thread waits for room first (an
+        inline one prepares only while there is room: ``advance``). False: the session stopped."""
+        with self._cond:
+            while len(self._ready) >= self.hwm and not self._stopped and not self.inline:
                 self._producer_waiting = True
                 self._cond.wait(0.5)
                 self._producer_waiting = False
             if self._stopped:
                 return False
             self._ready.append(item)
-        self._wake()
+        if not self.inline:
+            self._wake()
         return True
 
     def _report_loss(self, message: str) -> None:
@@ -252,10 +335,10 @@ class Session:
             if not self._stopped:
                 recent.put(self.hello.client_id, self._request, epoch, seq, entry)
 
-    def _batches(self, epoch: int, start: int) -> Iterator[tuple[dict[str, Any], bool]]:
+    def _batches(self, epoch: int, start: int) -> Iterator[tuple[dict[str, Any], bool] | Waiting]:
         """(arrays, prepared now) for batches ``start…`` of an epoch: from the memory tier while
         it holds them (a client that reconnects asks again for what was just sent), then from
-        the source."""
+        the source; inline, a ``Waiting`` where the source's next batch is still being decoded."""
         h = self.hello
         seq = start
         while (arrays := self._remembered(epoch, seq)) is not None:
@@ -263,12 +346,11 @@ class Session:
             seq += 1
         # The first epoch may be one resumed from another world size (Hello.history).
         history = h.history if h.history and epoch == h.epoch else ()
-        batches = self._source.iter_batches(
-            h.split, epoch, h.rank, h.world_size, seq, self.sources, on_loss=self._report_loss, history=history
-        )
+        iterate = self._source.iter_steps if self.inline else self._source.iter_batches
+        batches = iterate(h.split, epoch, h.rank, h.world_size, seq, self.sources, on_loss=self._report_loss, history=history)
         try:
             for arrays in batches:
-                yield arrays, True
+                yield arrays if isinstance(arrays, Waiting) else (arrays, True)
         finally:
             batches.close()
 
@@ -288,35 +370,51 @@ class Session:
         frames = encode(batch, checksum=self._checksum)
         return frames, sum(memoryview(f).nbytes for f in frames[1:]), True
 
+    def _allocating(self) -> ContextManager[None]:
+        # A client that reads shared memory has its batches gathered in its slabs to begin with.
+        return allocating(self.slabs.carve if self.slabs is not None else None)
+
     def _produce(self) -> None:
+        """A producer thread's life."""
         name_this_thread("fl-produce")
+        with self._allocating():
+            for _ in self._production():
+                pass  # (not inline: the source waits for its decodes itself, and _put for room)
+
+    def _production(self) -> Iterator[Waiting | None]:
+        """The producer: every batch of the session's epochs, each put for the loop to send,
+        then an end of epoch; an error, put for the client, ends it. Steps: None after each
+        batch put, a ``Waiting`` where the next batch waits for decodes (inline only)."""
         h = self.hello
         epoch, cursor = h.epoch, h.cursor
         where = f"data server session {self.name} (split {h.split!r}, rank {h.rank} of {h.world_size})"
-        # A client that reads shared memory has its batches gathered in its slabs to begin with.
-        carve = allocating(self.slabs.carve if self.slabs is not None else None)
         try:
-            with carve:
-                while not self._stopped:
-                    seq = cursor
-                    batches = self._batches(epoch, cursor)
-                    try:
-                        for arrays, fresh in batches:
-                            frames, nbytes, keepable = self._encode(Batch(h.stream, epoch, seq, arrays))
-                            if not self._put(("batch", frames, nbytes)):
-                                return  # (stopped: a client that left or was replaced is not remembered)
-                            if fresh:
-                                self._remember(epoch, seq, arrays, frames, keepable)
-                            seq += 1
-                    finally:
-                        batches.close()
-                    if not self._put(("end", encode(EndOfEpoch(h.stream, epoch, seq)), 0)):
-                        return
-                    # A resume saved after an epoch's last batch, on another world size, leaves the
-                    # epoch nothing: it ends at once, as it does at the same world size.
-                    if seq == 0 and not (h.history and epoch == h.epoch):
-                        raise DataError(f"epoch {epoch} of split {h.split!r} has no batches")
-                    epoch, cursor = epoch + 1, 0
+            while not self._stopped:
+                seq = cursor
+                batches = self._batches(epoch, cursor)
+                try:
+                    for item in batches:
+                        if isinstance(item, Waiting):
+                            yield item
+                            continue
+                        arrays, fresh = item
+                        frames, nbytes, keepable = self._encode(Batch(h.stream, epoch, seq, arrays))
+                        if not self._put(("batch", frames, nbytes)):
+                            return  # (stopped: a client that left or was replaced is not remembered)
+                        if fresh:
+                            self._remember(epoch, seq, arrays, frames, keepable)
+                        seq += 1
+                        yield None
+                finally:
+                    batches.close()
+                if not self._put(("end", encode(EndOfEpoch(h.stream, epoch, seq)), 0)):
+                    return
+                yield None
+                # A resume saved after an epoch's last batch, on another world size, leaves the
+                # epoch nothing: it ends at once, as it does at the same world size.
+                if seq == 0 and not (h.history and epoch == h.epoch):
+                    raise DataError(f"epoch {epoch} of split {h.split!r} has no batches")
+                epoch, cursor = epoch + 1, 0
         except DataError as exc:
             log.error("in %s, epoch %d: %s", where, epoch, exc)
             self._put(("error", encode(Error(ErrorCode.DATA, f"in {where}, epoch {epoch}: {exc}")), 0))

@@ -48,9 +48,10 @@ def with_header(frames: list[bytes], **changes: Any) -> list[bytes]:
 class Peer:
     """A raw DEALER that sends whatever frames it is given and reads what comes back."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, rcvhwm: int = 1000) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, rcvhwm)
         self.sock.connect(f"tcp://{endpoint}")
 
     def send(self, frames: list[Any]) -> None:
