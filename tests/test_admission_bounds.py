@@ -170,7 +170,7 @@ from fuelline.server.serving.server import Server
 from fuelline.server.serving.start import serve_until_signalled
 from fuelline.server.sources.parquet import ParquetSource
 
-server = Server(ParquetSource({path!r}, batch_size=640), port=0, hwm=2, heartbeat=0.2, local_ipc=False)
+server = Server(ParquetSource({path!r}, batch_size=640), port=0, hwm=2, heartbeat={heartbeat}, local_ipc=False)
 server.bind()
 # Small socket buffers: what is sent and not read fills libzmq's queue at once, not megabytes
 # of the kernel's buffers first.
@@ -182,15 +182,15 @@ serve_until_signalled(server)
 @pytest.mark.timeout(60)
 def test_a_peer_whose_send_queue_stays_full_is_dropped_as_not_reading(wide_dataset: Path, start_script,
                                                                        zmq_context) -> None:
-    server = start_script(FULL_QUEUE_SERVER.format(path=str(wide_dataset)))
+    server = start_script(FULL_QUEUE_SERVER.format(path=str(wide_dataset), heartbeat=0.2))
     peer = Peer(zmq_context, server.port, rcvhwm=1)
     peer.sock.setsockopt(zmq.RCVBUF, 65536)
     dropped = re.compile(r"client full#\w+ dropped: not reading")
     hellos = 0
     try:
         # Hellos, each replacing the session before, whose Welcome and 2 batches of 655 kB fill
-        # a queue of 2 batches and 16 control messages within a few; paced so that a queue full
-        # for 3 heartbeats (0.6 s) comes before 16 Welcomes are piled up behind it.
+        # a queue of 2 batches and 16 control messages within a few; paced, so that it is the
+        # queue full for 3 heartbeats (0.6 s) that ends it, not a pile of Welcomes behind it.
         deadline = time.monotonic() + 20.0
         while not dropped.search(server.log()) and time.monotonic() < deadline:
             peer.send(Hello("full", stream=hellos, credit=2, heartbeat=3600.0))
@@ -204,6 +204,34 @@ def test_a_peer_whose_send_queue_stays_full_is_dropped_as_not_reading(wide_datas
     assert match is not None
     why = text[match.start():].splitlines()[0]
     assert "its send queue full for" in why, why
+    assert "Traceback" not in text
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_piles_up_welcomes_behind_a_full_queue_is_dropped_as_not_reading(
+    wide_dataset: Path, start_script, zmq_context
+) -> None:
+    # Heartbeats of 10 s: the queue would have to stay full for 30 s; the Welcomes of a burst of
+    # Hellos, a megabyte of them, end it first.
+    server = start_script(FULL_QUEUE_SERVER.format(path=str(wide_dataset), heartbeat=10.0))
+    peer = Peer(zmq_context, server.port, rcvhwm=1)
+    peer.sock.setsockopt(zmq.RCVBUF, 65536)
+    dropped = re.compile(r"client piles#\w+ dropped: not reading: (\d+) Welcomes \((\d+) bytes\) waiting")
+    hellos = 0
+    try:
+        deadline = time.monotonic() + 20.0
+        while not dropped.search(server.log()) and time.monotonic() < deadline:
+            for _ in range(500):
+                peer.send(Hello("piles", stream=hellos, credit=2, heartbeat=3600.0))
+                hellos += 1
+        text = server.wait_log(dropped.pattern, timeout=1.0)
+    finally:
+        peer.close()
+    assert server.proc.poll() is None, server.log()[-3000:]
+    match = dropped.search(text)
+    assert match is not None
+    print(f"\n{hellos} Hellos sent; {match.group(0)!r}")
+    assert int(match.group(2)) > 2**20 and int(match.group(1)) < hellos
     assert "Traceback" not in text
 
 

@@ -45,7 +45,7 @@ from fuelline.server.cache.memory import RecentBatches
 from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS, LOCAL, Admission, default_max_heartbeat, peer_of
 from fuelline.server.serving.inbound import decode_request
 from fuelline.server.serving.keys import CurveConfig
-from fuelline.server.serving.listener import CONTROL_MESSAGES, Listener
+from fuelline.server.serving.listener import Listener
 from fuelline.server.serving.session import Session
 from fuelline.server.serving.slabs import SessionSlabs
 from fuelline.server.serving.status import StatusLine, counters
@@ -61,6 +61,9 @@ SHUTDOWN_JOIN = 2.0  # seconds all producer threads together get to finish at sh
 # batches are still on their way, and the new one's follow them.
 NOT_READING_BEATS = 3
 RETRY_FULL = 0.005  # seconds between tries at a full send queue
+# Bytes of Welcomes a connection may have waiting for room in its send queue (each Hello on it is
+# answered, however fast they come): about 1,700 of a Parquet source's, 64 of the largest.
+MAX_WAITING_WELCOMES = 2**20
 # Seconds the loop prepares one session's batches before it turns to the next session and its
 # requests (a gather of several batches at once may run past it: 10-20 ms of 4 MB).
 PREPARE_SLICE = 0.005
@@ -357,8 +360,9 @@ class Server(Listener):
         carried = old.unsent_welcomes() if old is not None else []
         if old is not None:
             old.stop()
-            if len(carried) >= CONTROL_MESSAGES:
-                self._drop(old, f"not reading: {len(carried)} Welcomes waiting for room in its send queue")
+            waiting = sum(memoryview(f).nbytes for _, frames, _ in carried for f in frames)
+            if waiting > MAX_WAITING_WELCOMES:
+                self._drop(old, f"not reading: {len(carried)} Welcomes ({waiting} bytes) waiting for room in its send queue")
                 return
         for other in twins:
             # A client on this host moves to the Unix socket once welcomed over TCP: routine, not news.
