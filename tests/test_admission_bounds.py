@@ -62,6 +62,19 @@ def test_idle_hellos_cost_no_thread_and_little_memory(wide_dataset: Path, start_
     assert rss_peak - rss.baseline < 64, f"server RSS grew {rss_peak - rss.baseline:.0f} MB for 200 idle sessions"
 
 
+# What one peer that reads nothing may cost the servers below (--hwm 4, --memory-cache 10): its
+# memory tier (memory cache + hwm batches), the hwm prepared ahead, and its send queue (hwm
+# batches and 16 control messages); plus allocator slack (freed batches kept by malloc's arenas).
+# libzmq's default queue of 1000 messages per peer held over 600 MB here.
+HWM, MEMORY_CACHE, CONTROL_MESSAGES = 4, 10, 16
+
+
+def _within_one_peers_bound(rss: RssSampler, peak: float) -> None:
+    batch_mb = WIDE_BATCH * 256 * 4 / 2**20
+    bound = (MEMORY_CACHE + 3 * HWM + CONTROL_MESSAGES) * batch_mb + 96
+    assert peak - rss.baseline < bound, f"server RSS grew {peak - rss.baseline:.0f} MB (bound {bound:.0f})"
+
+
 # -- attack 2: credit lies ---------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("lie, pace, dropped_for", [
@@ -75,9 +88,8 @@ def test_idle_hellos_cost_no_thread_and_little_memory(wide_dataset: Path, start_
 def test_a_client_that_grants_credit_and_reads_nothing_is_dropped_and_costs_at_most_its_hwm(
     wide_dataset: Path, start_serve, zmq_context, lie: int, pace: float, dropped_for: str
 ) -> None:
-    hwm, memory_cache, control_messages = 4, 10, 16
-    server = start_serve(wide_dataset, "--batch-size", str(WIDE_BATCH), "--hwm", str(hwm),
-                         "--memory-cache", str(memory_cache))
+    server = start_serve(wide_dataset, "--batch-size", str(WIDE_BATCH), "--hwm", str(HWM),
+                         "--memory-cache", str(MEMORY_CACHE))
     honest, attack_over = start_honest(server.port)
     rss = RssSampler(server.proc.pid)
     liar = Peer(zmq_context, server.port, rcvhwm=1)  # reads (almost) nothing: what is sent piles up
@@ -86,18 +98,18 @@ def test_a_client_that_grants_credit_and_reads_nothing_is_dropped_and_costs_at_m
         # Credit for batches a session never sent is no lie from a client that reconnected
         # holding batches of its connection before: it returns their credit as its user takes them.
         before, after = Peer(zmq_context, server.port), Peer(zmq_context, server.port)
-        before.send(Hello("reconnecting", credit=hwm, heartbeat=60.0))
+        before.send(Hello("reconnecting", credit=HWM, heartbeat=60.0))
         assert isinstance(before.answer(), Welcome)
-        assert [getattr(before.answer(), "seq", None) for _ in range(hwm)] == list(range(hwm))
+        assert [getattr(before.answer(), "seq", None) for _ in range(HWM)] == list(range(HWM))
         before.close()
-        after.send(Hello("reconnecting", cursor=hwm, credit=0, heartbeat=60.0))  # holding hwm batches
+        after.send(Hello("reconnecting", cursor=HWM, credit=0, heartbeat=60.0))  # holding hwm batches
         assert isinstance(after.answer(), Welcome)
-        for _ in range(hwm):
+        for _ in range(HWM):
             after.send(Credit(1))
-        assert [getattr(after.answer(), "seq", None) for _ in range(hwm)] == list(range(hwm, 2 * hwm))
+        assert [getattr(after.answer(), "seq", None) for _ in range(HWM)] == list(range(HWM, 2 * HWM))
         after.close()
 
-        liar.send(Hello("liar", credit=hwm, heartbeat=3600.0))
+        liar.send(Hello("liar", credit=HWM, heartbeat=3600.0))
         assert isinstance(liar.answer(), Welcome)
         assert isinstance(liar.answer(), Batch)  # its hwm batches are on their way
         deadline = time.monotonic() + 20.0
@@ -116,13 +128,7 @@ def test_a_client_that_grants_credit_and_reads_nothing_is_dropped_and_costs_at_m
     assert server.proc.poll() is None, server.log()[-3000:]
     print(f"\ncredit lies of {lie}: {dropped.search(text).group(0)!r}; server RSS {rss.baseline:.0f} -> "
           f"{rss_peak:.0f} MB; honest longest gap {honest.max_gap * 1e3:.0f} ms")
-    # What the liar may cost: its memory tier (memory_cache + hwm batches), the hwm prepared
-    # ahead, and its send queue (hwm batches and the control messages); plus allocator slack (the
-    # producer threads' malloc arenas keep freed batches). libzmq's default queue of 1000
-    # messages per peer held over 600 MB here.
-    batch_mb = WIDE_BATCH * 256 * 4 / 2**20
-    bound = (memory_cache + 3 * hwm + control_messages) * batch_mb + 96
-    assert rss_peak - rss.baseline < bound, f"server RSS grew {rss_peak - rss.baseline:.0f} MB (bound {bound:.0f})"
+    _within_one_peers_bound(rss, rss_peak)
     assert "Traceback" not in text
 
 
@@ -134,9 +140,8 @@ def test_a_client_that_says_hello_again_and_again_and_reads_nothing_is_dropped_a
     # one's wait for room in the peer's queue (an honest client that starts again is not dropped
     # for that), and so do their Welcomes. A peer whose queue stays full, or that piles up
     # Welcomes it never reads, is dropped.
-    hwm, memory_cache, control_messages = 4, 10, 16
-    server = start_serve(wide_dataset, "--batch-size", str(WIDE_BATCH), "--hwm", str(hwm),
-                         "--memory-cache", str(memory_cache))
+    server = start_serve(wide_dataset, "--batch-size", str(WIDE_BATCH), "--hwm", str(HWM),
+                         "--memory-cache", str(MEMORY_CACHE))
     honest, attack_over = start_honest(server.port)
     rss = RssSampler(server.proc.pid)
     peer = Peer(zmq_context, server.port, rcvhwm=1)  # reads (almost) nothing
@@ -145,7 +150,7 @@ def test_a_client_that_says_hello_again_and_again_and_reads_nothing_is_dropped_a
     try:
         deadline = time.monotonic() + 20.0
         while not dropped.search(server.log()) and time.monotonic() < deadline:
-            peer.send(Hello("again", stream=hellos, epoch=hellos % 3, credit=hwm, heartbeat=3600.0))
+            peer.send(Hello("again", stream=hellos, epoch=hellos % 3, credit=HWM, heartbeat=3600.0))
             hellos += 1
             time.sleep(0.02)  # pacing the attack, so that each Hello meets the last one's batches
         text = server.wait_log(dropped.pattern, timeout=1.0)
@@ -158,9 +163,7 @@ def test_a_client_that_says_hello_again_and_again_and_reads_nothing_is_dropped_a
             peer.close()
     assert server.proc.poll() is None, server.log()[-3000:]
     print(f"\n{hellos} Hellos: {dropped.search(text).group(0)!r}; server RSS {rss.baseline:.0f} -> {rss_peak:.0f} MB")
-    batch_mb = WIDE_BATCH * 256 * 4 / 2**20
-    bound = (memory_cache + 3 * hwm + control_messages) * batch_mb + 96
-    assert rss_peak - rss.baseline < bound, f"server RSS grew {rss_peak - rss.baseline:.0f} MB (bound {bound:.0f})"
+    _within_one_peers_bound(rss, rss_peak)
     assert "Traceback" not in text
 
 
@@ -179,60 +182,55 @@ serve_until_signalled(server)
 """
 
 
-@pytest.mark.timeout(60)
-def test_a_peer_whose_send_queue_stays_full_is_dropped_as_not_reading(wide_dataset: Path, start_script,
-                                                                       zmq_context) -> None:
-    server = start_script(FULL_QUEUE_SERVER.format(path=str(wide_dataset), heartbeat=0.2))
+def _hello_until_dropped(server, zmq_context, client: str, pattern: str, burst: int, pace: float) -> tuple[int, str]:
+    """Send Hellos from one connection that reads (almost) nothing, each replacing the session
+    before, ``burst`` at a time every ``pace`` seconds, until the server's log says ``pattern``
+    (within 20 s). Returns the Hellos sent and the log."""
     peer = Peer(zmq_context, server.port, rcvhwm=1)
     peer.sock.setsockopt(zmq.RCVBUF, 65536)
-    dropped = re.compile(r"client full#\w+ dropped: not reading")
+    dropped = re.compile(pattern)
     hellos = 0
     try:
-        # Hellos, each replacing the session before, whose Welcome and 2 batches of 655 kB fill
-        # a queue of 2 batches and 16 control messages within a few; paced, so that it is the
-        # queue full for 3 heartbeats (0.6 s) that ends it, not a pile of Welcomes behind it.
         deadline = time.monotonic() + 20.0
         while not dropped.search(server.log()) and time.monotonic() < deadline:
-            peer.send(Hello("full", stream=hellos, credit=2, heartbeat=3600.0))
-            hellos += 1
-            time.sleep(0.1)  # pacing the attack
-        text = server.wait_log(dropped.pattern, timeout=1.0)
+            for _ in range(burst):
+                peer.send(Hello(client, stream=hellos, credit=2, heartbeat=3600.0))
+                hellos += 1
+            if pace:
+                time.sleep(pace)  # pacing the attack
+        text = server.wait_log(pattern, timeout=1.0)
     finally:
         peer.close()
     assert server.proc.poll() is None, server.log()[-3000:]
-    match = dropped.search(text)
-    assert match is not None
-    why = text[match.start():].splitlines()[0]
-    assert "its send queue full for" in why, why
     assert "Traceback" not in text
+    return hellos, text
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_whose_send_queue_stays_full_is_dropped_as_not_reading(wide_dataset: Path, start_script,
+                                                                       zmq_context) -> None:
+    # Each Hello's Welcome and 2 batches of 655 kB fill a queue of 2 batches and 16 control
+    # messages within a few; paced, so that it is the queue full for 3 heartbeats (0.6 s) that
+    # ends it, not a pile of Welcomes behind it.
+    server = start_script(FULL_QUEUE_SERVER.format(path=str(wide_dataset), heartbeat=0.2))
+    _, text = _hello_until_dropped(server, zmq_context, "full", r"client full#\w+ dropped: not reading", 1, 0.1)
+    match = re.search(r"client full#\w+ dropped: not reading[^\n]*", text)
+    assert match is not None and "its send queue full for" in match.group(0), match
 
 
 @pytest.mark.timeout(60)
 def test_a_peer_that_piles_up_welcomes_behind_a_full_queue_is_dropped_as_not_reading(
     wide_dataset: Path, start_script, zmq_context
 ) -> None:
-    # Heartbeats of 10 s: the queue would have to stay full for 30 s; the Welcomes of a burst of
+    # Heartbeats of 10 s: the queue would have to stay full for 30 s; the Welcomes of bursts of
     # Hellos, a megabyte of them, end it first.
     server = start_script(FULL_QUEUE_SERVER.format(path=str(wide_dataset), heartbeat=10.0))
-    peer = Peer(zmq_context, server.port, rcvhwm=1)
-    peer.sock.setsockopt(zmq.RCVBUF, 65536)
-    dropped = re.compile(r"client piles#\w+ dropped: not reading: (\d+) Welcomes \((\d+) bytes\) waiting")
-    hellos = 0
-    try:
-        deadline = time.monotonic() + 20.0
-        while not dropped.search(server.log()) and time.monotonic() < deadline:
-            for _ in range(500):
-                peer.send(Hello("piles", stream=hellos, credit=2, heartbeat=3600.0))
-                hellos += 1
-        text = server.wait_log(dropped.pattern, timeout=1.0)
-    finally:
-        peer.close()
-    assert server.proc.poll() is None, server.log()[-3000:]
-    match = dropped.search(text)
+    pattern = r"client piles#\w+ dropped: not reading: (\d+) Welcomes \((\d+) bytes\) waiting"
+    hellos, text = _hello_until_dropped(server, zmq_context, "piles", pattern, 500, 0.0)
+    match = re.search(pattern, text)
     assert match is not None
     print(f"\n{hellos} Hellos sent; {match.group(0)!r}")
     assert int(match.group(2)) > 2**20 and int(match.group(1)) < hellos
-    assert "Traceback" not in text
 
 
 # -- attack 3: big messages of a kind that carries no arrays ----------------------------------------
