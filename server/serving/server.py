@@ -182,13 +182,15 @@ class Server(Listener):
         next_tick = time.monotonic() + tick
         if ready is not None:
             ready(self.endpoint)  # type: ignore[arg-type]
+        # As the last turn left the sessions: one with batches still to prepare leaves no time
+        # to wait (a look, and on); a full send queue is looked at again soon (libzmq says
+        # nothing when it empties). Anything else that changes rings the loop or is a request.
+        busy = blocked = False
         try:
             while self._stop_reason is None:
-                # (A session with batches to prepare leaves no time to wait: a look, and on.)
-                busy = any(session.can_advance for session in self.sessions.values())
                 timeout = 0.0 if busy else max(0.0, next_tick - time.monotonic())
-                if timeout > RETRY_FULL and any(s.blocked_since is not None for s in self.sessions.values()):
-                    timeout = RETRY_FULL  # (a full queue is looked at again soon: libzmq says nothing when it empties)
+                if blocked:
+                    timeout = min(timeout, RETRY_FULL)
                 events = dict(poller.poll(int(timeout * 1000)))
                 if router in events:
                     self._drain_requests(router)
@@ -199,10 +201,13 @@ class Server(Listener):
                     except BlockingIOError:
                         pass
                     self._wake_pending = False  # after the drain, or a ring during it is lost
+                busy = blocked = False
                 for session in list(self.sessions.values()):
                     self._guarded(session.routing_id, "sending", self._flush, session)
                     if session.can_advance:
                         self._guarded(session.routing_id, "preparing a batch", self._prepare, session)
+                        busy = busy or session.can_advance
+                    blocked = blocked or session.blocked_since is not None
                 now = time.monotonic()
                 if now >= next_tick:
                     self._keepalive(now)
@@ -211,6 +216,7 @@ class Server(Listener):
                         self.on_turn()
                 if self._vanished:
                     self._drain_requests(router)
+                    busy = True  # (what those requests started is prepared next turn, without a wait)
                     for rid, session in self._vanished.items():
                         if self.sessions.get(rid) is session:
                             self._drop(session, "disconnected")
