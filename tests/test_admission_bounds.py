@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import re
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Iterator
 
 import msgpack
 import pytest
@@ -69,10 +71,31 @@ def test_idle_hellos_cost_no_thread_and_little_memory(wide_dataset: Path, start_
 HWM, MEMORY_CACHE, CONTROL_MESSAGES = 4, 10, 16
 
 
-def _within_one_peers_bound(rss: RssSampler, peak: float) -> None:
+@contextmanager
+def _attacked(wide_dataset: Path, start_serve, peer_of) -> Iterator[tuple[Any, Any, RssSampler]]:
+    """A server of the wide dataset (``HWM``, ``MEMORY_CACHE``), an honest client reading it
+    meanwhile, and the attacking peer ``peer_of(port)``: yields (server, peer, RSS sampler).
+    After the attack the honest client must get its exact epoch, the server must be up, and its
+    memory within what one peer may cost."""
+    server = start_serve(wide_dataset, "--batch-size", str(WIDE_BATCH), "--hwm", str(HWM),
+                         "--memory-cache", str(MEMORY_CACHE))
+    honest, attack_over = start_honest(server.port)
+    rss = RssSampler(server.proc.pid)
+    peer = peer_of(server.port)
+    try:
+        yield server, peer, rss
+    finally:
+        attack_over.set()
+        try:
+            honest.check_epoch(WIDE_ROWS)
+        finally:
+            rss.stop()
+            peer.close()
+    assert server.proc.poll() is None, server.log()[-3000:]
+    print(f"; server RSS {rss.baseline:.0f} -> {rss.peak:.0f} MB; honest longest gap {honest.max_gap * 1e3:.0f} ms")
     batch_mb = WIDE_BATCH * 256 * 4 / 2**20
     bound = (MEMORY_CACHE + 3 * HWM + CONTROL_MESSAGES) * batch_mb + 96
-    assert peak - rss.baseline < bound, f"server RSS grew {peak - rss.baseline:.0f} MB (bound {bound:.0f})"
+    assert rss.peak - rss.baseline < bound, f"server RSS grew {rss.peak - rss.baseline:.0f} MB (bound {bound:.0f})"
 
 
 # -- attack 2: credit lies ---------------------------------------------------------------------------
@@ -88,13 +111,9 @@ def _within_one_peers_bound(rss: RssSampler, peak: float) -> None:
 def test_a_client_that_grants_credit_and_reads_nothing_is_dropped_and_costs_at_most_its_hwm(
     wide_dataset: Path, start_serve, zmq_context, lie: int, pace: float, dropped_for: str
 ) -> None:
-    server = start_serve(wide_dataset, "--batch-size", str(WIDE_BATCH), "--hwm", str(HWM),
-                         "--memory-cache", str(MEMORY_CACHE))
-    honest, attack_over = start_honest(server.port)
-    rss = RssSampler(server.proc.pid)
-    liar = Peer(zmq_context, server.port, rcvhwm=1)  # reads (almost) nothing: what is sent piles up
     dropped = re.compile(rf"client liar#\w+ dropped: {dropped_for}")
-    try:
+    # The liar reads (almost) nothing: what is sent piles up.
+    with _attacked(wide_dataset, start_serve, lambda port: Peer(zmq_context, port, rcvhwm=1)) as (server, liar, _):
         # Credit for batches a session never sent is no lie from a client that reconnected
         # holding batches of its connection before: it returns their credit as its user takes them.
         before, after = Peer(zmq_context, server.port), Peer(zmq_context, server.port)
@@ -118,17 +137,7 @@ def test_a_client_that_grants_credit_and_reads_nothing_is_dropped_and_costs_at_m
                 liar.send(Credit(lie))
                 time.sleep(pace)  # pacing the attack, so each lie meets the batches the last one let through
         text = server.wait_log(dropped.pattern, timeout=1.0)
-    finally:
-        attack_over.set()
-        try:
-            honest.check_epoch(WIDE_ROWS)
-        finally:
-            rss_peak = rss.stop()
-            liar.close()
-    assert server.proc.poll() is None, server.log()[-3000:]
-    print(f"\ncredit lies of {lie}: {dropped.search(text).group(0)!r}; server RSS {rss.baseline:.0f} -> "
-          f"{rss_peak:.0f} MB; honest longest gap {honest.max_gap * 1e3:.0f} ms")
-    _within_one_peers_bound(rss, rss_peak)
+        print(f"\ncredit lies of {lie}: {dropped.search(text).group(0)!r}", end="")
     assert "Traceback" not in text
 
 
@@ -140,30 +149,16 @@ def test_a_client_that_says_hello_again_and_again_and_reads_nothing_is_dropped_a
     # one's wait for room in the peer's queue (an honest client that starts again is not dropped
     # for that), and so do their Welcomes. A peer whose queue stays full, or that piles up
     # Welcomes it never reads, is dropped.
-    server = start_serve(wide_dataset, "--batch-size", str(WIDE_BATCH), "--hwm", str(HWM),
-                         "--memory-cache", str(MEMORY_CACHE))
-    honest, attack_over = start_honest(server.port)
-    rss = RssSampler(server.proc.pid)
-    peer = Peer(zmq_context, server.port, rcvhwm=1)  # reads (almost) nothing
     dropped = re.compile(r"client again#\w+ dropped: not reading")
     hellos = 0
-    try:
+    with _attacked(wide_dataset, start_serve, lambda port: Peer(zmq_context, port, rcvhwm=1)) as (server, peer, _):
         deadline = time.monotonic() + 20.0
         while not dropped.search(server.log()) and time.monotonic() < deadline:
             peer.send(Hello("again", stream=hellos, epoch=hellos % 3, credit=HWM, heartbeat=3600.0))
             hellos += 1
             time.sleep(0.02)  # pacing the attack, so that each Hello meets the last one's batches
         text = server.wait_log(dropped.pattern, timeout=1.0)
-    finally:
-        attack_over.set()
-        try:
-            honest.check_epoch(WIDE_ROWS)
-        finally:
-            rss_peak = rss.stop()
-            peer.close()
-    assert server.proc.poll() is None, server.log()[-3000:]
-    print(f"\n{hellos} Hellos: {dropped.search(text).group(0)!r}; server RSS {rss.baseline:.0f} -> {rss_peak:.0f} MB")
-    _within_one_peers_bound(rss, rss_peak)
+        print(f"\n{hellos} Hellos: {dropped.search(text).group(0)!r}", end="")
     assert "Traceback" not in text
 
 
