@@ -98,7 +98,11 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     multimodal.add_argument("--normalize", choices=["zscore", "none"], default="zscore",
                             help="per-channel z-score with the train split's statistics, or none")
     multimodal.add_argument("--stage", action="append", default=[], metavar="MODULE:FUNCTION",
-                            help="a preprocessing stage run on every batch (repeatable, in order)")
+                            help="a preprocessing stage run on every batch (repeatable, in order), on threads of its "
+                                 "own: the serving loop answers and sends meanwhile, however long it takes")
+    multimodal.add_argument("--stage-threads", type=non_negative_int, default=0, metavar="N",
+                            help="threads that run the stages, each one client's batch at a time, so a client whose "
+                                 "batches are slow holds one thread; 0: as many as the cores, at least 4")
     serve.set_defaults(func=run)
 
 
@@ -279,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
     if args.supervisor_link is not None:
         _answer_to_supervisor(server, args.supervisor_link, args.serving_group)
     try:
-        serve_until_signalled(server)
+        serve_until_signalled(server, exiting=True)
     finally:
-        source.close()  # worker processes, prefetch threads
+        source.close()  # worker processes, prefetch threads (a stage still running is abandoned)
     return 0

@@ -38,6 +38,7 @@ from fuelline.server.sources.fingerprint import (
     unit_parts,
 )
 from fuelline.server.sources.options import SourceOptions
+from fuelline.server.sources.stage_pool import StagePool
 from fuelline.server.sources.storage import Store, storage_info
 
 __all__ = ["WindowSource", "SAMPLE_ID_STRIDE", "stored_samples"]
@@ -133,6 +134,7 @@ class WindowSource(UnitSource):
         self._grid_files: OrderedDict[str, Any] = OrderedDict()  # grid files, mapped once
         self._grid_lock = threading.Lock()
         self.stage_names = [callable_name(s) for s in stages]  # as --stage names them, for the fingerprint
+        self.user_stages = tuple(self.stage_names)  # (a serving loop has them run on its stage pool)
         self._base = self._base_columns()
         self._splits = {name: self._scan(name) for name in self.manifest.splits}
         if not self._splits:
@@ -323,6 +325,9 @@ class WindowSource(UnitSource):
             )
             self.store.prefetch(dict.fromkeys(files))
 
+
+    def _stages_made(self, pool: StagePool) -> None:
+        self.pipeline.observer = pool  # (the time each stage takes, and which one a batch is in)
 
     def finish_batch(self, split: str, batch: dict[str, np.ndarray], sources: tuple[str, ...]) -> dict[str, np.ndarray]:
         out = self.pipeline(batch)

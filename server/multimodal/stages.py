@@ -13,13 +13,15 @@ rather than writing into those. ``band_power`` below is an example.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from fuelline.protocol import DataError
 from fuelline.protocol.common.callables import load_callable
+from fuelline.server.sources.fingerprint import callable_name
 
 __all__ = ["Batch", "Stage", "Normalize", "Cast", "Pipeline", "load_stage", "band_power"]
 
@@ -97,24 +99,43 @@ class Cast:
         return out
 
 
+class StageObserver(Protocol):
+    """What hears of each stage a batch goes through (``fuelline.server.sources.stage_pool.StagePool``)."""
+
+    def entering(self, stage: str) -> None: ...
+
+    def left(self, stage: str, seconds: float) -> None: ...
+
+
 class Pipeline:
-    """Stages applied in order; a stage that fails is named in the error."""
+    """Stages applied in order; a stage that fails is named in the error. An ``observer`` hears
+    of each stage a batch enters and of the time it took there, by ``labels`` (``module:function``
+    for a user's stage, its own name for the project's)."""
 
     def __init__(self, stages: Sequence[Stage]) -> None:
         self.stages = list(stages)
+        self.labels = [s.name if isinstance(s, (Normalize, Cast)) else callable_name(s) for s in self.stages]
+        self.observer: StageObserver | None = None
 
     @property
     def names(self) -> list[str]:
         return [getattr(s, "name", None) or getattr(s, "__qualname__", type(s).__name__) for s in self.stages]
 
     def __call__(self, batch: Batch) -> Batch:
-        for stage, name in zip(self.stages, self.names):
+        observer = self.observer
+        for stage, name, label in zip(self.stages, self.names, self.labels):
+            if observer is not None:
+                observer.entering(label)
+                started = time.perf_counter()
             try:
                 result = stage(batch)
             except DataError:
                 raise
             except Exception as exc:
                 raise DataError(f"stage {name!r} failed: {type(exc).__name__}: {exc}") from exc
+            finally:
+                if observer is not None:
+                    observer.left(label, time.perf_counter() - started)
             if not isinstance(result, Mapping):
                 raise DataError(f"stage {name!r} returned {type(result).__name__}, not a dict of arrays")
             batch = dict(result)

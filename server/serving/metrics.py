@@ -7,12 +7,14 @@ end in ``_total``, sizes in ``_bytes``.
 What an operator finds there: batches and bytes sent; clients connected, and per client its
 credit, batches in flight and batches prepared and waiting; windows dropped at start-up by reason;
 hits and misses of each cache tier; remote fetches; worker processes configured, alive and
-restarted; malformed messages and silent clients dropped.
+restarted; malformed messages and silent clients dropped; the time batches spend in each
+preprocessing stage, and the batches in one now.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -99,6 +101,19 @@ class ServerCollector:
         pids = source.worker_pids()
         yield GaugeMetricFamily("fuelline_workers_configured", "Worker processes asked for (--workers).", value=configured)
         yield GaugeMetricFamily("fuelline_workers_alive", "Worker processes running now.", value=len(pids))
+        seconds = CounterMetricFamily("fuelline_stage_seconds", "Seconds batches spent in each preprocessing stage.",
+                                      labels=["stage"])
+        batches = CounterMetricFamily("fuelline_stage_batches", "Batches each preprocessing stage finished.", labels=["stage"])
+        for stage, (n, took) in source.stage_times().items():
+            seconds.add_metric([stage], took)
+            batches.add_metric([stage], n)
+        yield seconds
+        yield batches
+        runs = source.stage_runs()
+        yield GaugeMetricFamily("fuelline_stage_running", "Batches in a preprocessing stage now.", value=len(runs))
+        yield GaugeMetricFamily("fuelline_stage_longest_running_seconds",
+                                "Seconds the batch longest in a preprocessing stage now has been there (0: none).",
+                                value=time.monotonic() - runs[0].started if runs else 0.0)
 
 
 def serve_metrics(server: Any, port: int, host: str = "127.0.0.1") -> int:

@@ -67,6 +67,8 @@ MAX_WAITING_WELCOMES = 2**20
 # Seconds the loop prepares one session's batches before it turns to the next session and its
 # requests (a gather of several batches at once may run past it: 10-20 ms of 4 MB).
 PREPARE_SLICE = 0.005
+# Heartbeat intervals a batch may spend in a user's stage before the server warns (once a stage).
+SLOW_STAGE_BEATS = 3
 
 
 class Server(Listener):
@@ -168,6 +170,7 @@ class Server(Listener):
                       "errors": 0, "batches_shared": 0}
         self.status_interval = status_interval  # seconds between status lines in the log; 0: none
         self._status = StatusLine(status_interval, time.monotonic())
+        self._slow_stages: set[str] = set()  # stages already warned about
 
     # -- the loop ------------------------------------------------------------------------------
     def serve_forever(self, ready: Callable[[str], None] | None = None) -> None:
@@ -447,6 +450,7 @@ class Server(Listener):
     def _keepalive(self, now: float) -> None:
         if self._status.due(now):
             self._status.log(self, now)
+        self._watch_stages(now)
         for session in list(self.sessions.values()):
             if now - session.last_heard > 3 * session.client_heartbeat:
                 self.stats["dropped_silent"] += 1
@@ -458,6 +462,21 @@ class Server(Listener):
                 # the peer has plenty to read, and its own silence, not ours, decides its fate.
                 beat = Heartbeat(stream=session.hello.stream, sent=session.sent_items)
                 self._send(session.routing_id, encode(beat), drop_if_full=False)
+
+    def _watch_stages(self, now: float) -> None:
+        """Warn, once a stage, of a batch that has been in a user's stage for over a few heartbeats."""
+        for run in self.source.stage_runs():  # (longest running first)
+            took = now - run.started
+            if took <= SLOW_STAGE_BEATS * self.heartbeat:
+                return
+            if run.stage in self._slow_stages:
+                continue
+            self._slow_stages.add(run.stage)
+            log.warning(
+                "stage %s has been running for %.1f s on %s (over %d heartbeats): that batch's client waits for it "
+                "(heartbeats keep it connected) and the other clients are served meanwhile. The status lines and "
+                "fuelline_stage_seconds say how long each stage takes a batch", run.stage, took, run.batch, SLOW_STAGE_BEATS,
+            )
 
     def _drop(self, session: Session, why: str, level: int = logging.WARNING) -> None:
         if self.sessions.get(session.routing_id) is session:
@@ -481,6 +500,11 @@ class Server(Listener):
             session.join(max(0.0, deadline - time.monotonic()))
         self.sessions.clear()
         self._retired.clear()
+        now = time.monotonic()
+        for run in self.source.stage_runs():  # (a thread cannot be stopped: its process ends under it)
+            took = now - run.started
+            log.log(logging.WARNING if took > SLOW_STAGE_BEATS * self.heartbeat else logging.INFO,
+                    "stopping without stage %s, abandoned after %.1f s on %s", run.stage, took, run.batch)
         self._close()
         counts = {k: v for k, v in self.counters().items() if v}
         log.info("server stopped: %s; totals: %s", reason, ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none")

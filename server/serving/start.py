@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 import sys
 import threading
@@ -14,13 +15,34 @@ from fuelline.server.serving.server import Server
 from fuelline.server.sources.contract import BatchSource
 from fuelline.server.sources.fuel import DEFAULT_BUFFER_MB, FuelStreamSource
 
-__all__ = ["start_server", "serve_until_signalled"]
+__all__ = ["start_server", "serve_until_signalled", "STOP_DEADLINE"]
+
+# Seconds from SIGTERM (or SIGINT) by which a server's process is gone: the loop says Bye and
+# stops in about 2 s (producers joined, queued Byes lingered), a stage still running is abandoned
+# and named; past this, whatever still holds the process (a decode stuck in a storage read that
+# never returns, on a thread the interpreter waits for at exit) ends with it, every thread's
+# traceback printed to stderr, exit status 1. (Only code that never lets go of the interpreter
+# lock escapes this: no Python code, the signal handler included, runs again.)
+STOP_DEADLINE = 8.0
 
 
-def serve_until_signalled(server: Server, announce: bool = True) -> None:
-    """Serve in this thread until SIGTERM or SIGINT, then tell every client and return."""
-    if threading.current_thread() is threading.main_thread():
+def serve_until_signalled(server: Server, announce: bool = True, *, exiting: bool = False) -> None:
+    """Serve in this thread until SIGTERM or SIGINT, then tell every client and return.
+
+    Args:
+        exiting: the caller ends the process once this returns (``fuelline serve``): the process
+            is then gone within ``STOP_DEADLINE`` of the signal, whatever still runs in it.
+            Otherwise the deadline holds only until this returns.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        armed = []
+
         def on_signal(signum: int, frame: Any) -> None:
+            if not armed:
+                armed.append(signum)
+                # (A C-level timer: it fires even where no Python code runs again.)
+                faulthandler.dump_traceback_later(STOP_DEADLINE, exit=True)
             server.stop(f"server shutting down ({signal.Signals(signum).name})")
 
         signal.signal(signal.SIGTERM, on_signal)
@@ -30,7 +52,11 @@ def serve_until_signalled(server: Server, announce: bool = True) -> None:
         if announce:
             print(ready_line(endpoint), flush=True)
 
-    server.serve_forever(ready=ready)
+    try:
+        server.serve_forever(ready=ready)
+    finally:
+        if main and not exiting:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def start_server(

@@ -7,7 +7,9 @@ to decode one unit into column arrays.
 
 Units are decoded on read-ahead threads of the serving process (``workers=0``) or, with
 ``workers=N``, in N worker processes (``fuelline.server.workers.pool``) that get a pickled copy of the
-source: ``__getstate__`` leaves out what belongs to the serving process alone.
+source: ``__getstate__`` leaves out what belongs to the serving process alone. A source whose
+``finish_batch`` runs a user's code (``user_stages``) has it run on the threads of a
+``StagePool`` when a serving loop steps it (``iter_steps``), never on the loop.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import numpy as np
 from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.cache.decoded import DecodedUnits
 from fuelline.server.sources.block_reader import BlockReader, Column
-from fuelline.server.sources.contract import Batches, BatchSource, Steps, Waiting
+from fuelline.server.sources.contract import Batches, BatchSource, StageRun, Steps, Waiting
 from fuelline.server.sources.options import SourceOptions
 from fuelline.server.sources.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows, remaining_order
+from fuelline.server.sources.stage_pool import StagePool
 
 if TYPE_CHECKING:
     from fuelline.server.workers.pool import WorkerPool
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
 __all__ = ["Column", "UnitSource", "BlockReader"]  # (Column and BlockReader are block_reader's, re-exported)
 
 log = logging.getLogger("fuelline.server")
+
+STAGE_THREADS_MIN = 4  # the stage pool's threads at least, by default: one reader's slow stage never fills it
 
 
 class UnitSource(BatchSource):
@@ -52,10 +57,13 @@ class UnitSource(BatchSource):
     # Attributes a worker process's copy does without (set to None there): a subclass lists what
     # only the serving process uses and would be costly or impossible to pickle.
     _serving_only: tuple[str, ...] = ()
-    _TRANSIENT = ("_pool", "_pool_lock", "_process_pool", "_decoded")
+    _TRANSIENT = ("_pool", "_pool_lock", "_process_pool", "_decoded", "_stages")
     immutable_batches = True  # batches are never written once yielded (the memory tier keeps them as they are)
     cooperative = True  # decodes run on read-ahead threads or worker processes: ``iter_steps`` waits on none
     store: Any = None  # where a subclass reads its files (fuelline.server.sources.storage.Store), if it has one
+    # The user's code ``finish_batch`` runs (``module:function`` each, in order): a serving loop
+    # has it run on a ``StagePool``. Empty: ``finish_batch`` is the project's own quick touches.
+    user_stages: tuple[str, ...] = ()
 
     def __init__(self, options: SourceOptions) -> None:
         self.options = options
@@ -68,12 +76,15 @@ class UnitSource(BatchSource):
         self.worker_timeout = options.worker_timeout  # seconds a worker may spend on one unit; 0: no limit
         self.prefetch = options.prefetch  # blocks ahead whose shards are fetched into the local cache
         self.decoded_cache_mb = options.decoded_cache_mb  # decoded units every reader shares (0: none)
+        # Threads that run the user's stages (0: as many as the cores, at least STAGE_THREADS_MIN).
+        self.stage_threads = options.stage_threads or max(STAGE_THREADS_MIN, os.cpu_count() or 1)
         # (``counters``: worker processes count in their own copy and send the increments back
         # with each result.)
         super().__init__()
         self._pool: ThreadPoolExecutor | None = None
         self._process_pool: WorkerPool | None = None
         self._decoded: DecodedUnits | None = None
+        self._stages: StagePool | None = None
         self._pool_lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -92,6 +103,7 @@ class UnitSource(BatchSource):
         self._pool = None
         self._process_pool = None
         self._decoded = None
+        self._stages = None
         self._pool_lock = threading.Lock()
         for name in self._serving_only:
             setattr(self, name, None)
@@ -193,6 +205,25 @@ class UnitSource(BatchSource):
         signature = tuple((c.name, str(c.dtype), tuple(c.shape)) for c in columns)
         return lambda u: shared.get((split, u, signature), lambda: decode(u))
 
+    def _stage_pool(self) -> StagePool:
+        """The threads that run the user's stages, for every reader; made on first use."""
+        with self._pool_lock:
+            if self._stages is None:
+                self._stages = StagePool(self.stage_threads)
+                self._stages_made(self._stages)
+            return self._stages
+
+    def _stages_made(self, pool: StagePool) -> None:
+        """A subclass hears of its stage pool here (to have its pipeline report to it)."""
+
+    def stage_runs(self) -> list[StageRun]:
+        stages = self._stages
+        return stages.runs() if stages is not None else []
+
+    def stage_times(self) -> dict[str, tuple[int, float]]:
+        stages = self._stages
+        return stages.times() if stages is not None else {}
+
     def _decoded_units(self) -> DecodedUnits | None:
         with self._pool_lock:
             if self._decoded is None and self.decoded_cache_mb:
@@ -254,15 +285,32 @@ class UnitSource(BatchSource):
             prefetch=lambda units: self.prefetch_units(split, units), prefetch_blocks=self.prefetch,
         )
         step = BlockReader.batches_at_once(columns, self.batch_size)
+        # A serving loop never runs the user's stages itself: they go to the stage pool, a batch
+        # at a time for this reader, and the loop waits for each as for a decode.
+        stages = self._stage_pool() if cooperative and self.user_stages else None
+        owner = object()  # this reader, to the stage pool
         try:
             for b in range(start, count, step):
                 chunk = rows[b * self.batch_size : min(b + step, count) * self.batch_size]
                 while cooperative and (waits := reader.waits_for(chunk)):
                     yield Waiting(waits)
-                # (A generator expression: no name here keeps a batch, and with it the buffers
-                # of its gather, alive while the next batches are gathered.)
-                yield from (self.finish_batch(split, batch, sources) for batch in reader.gather_batches(chunk, self.batch_size))
+                if stages is None:
+                    # (A generator expression: no name here keeps a batch, and with it the buffers
+                    # of its gather, alive while the next batches are gathered.)
+                    yield from (self.finish_batch(split, batch, sources) for batch in reader.gather_batches(chunk, self.batch_size))
+                    continue
+                futures = [
+                    stages.submit(owner, f"epoch {epoch} batch {b + i} of split {split!r}, rank {rank} of {world_size}",
+                                  self.finish_batch, split, batch, sources)
+                    for i, batch in enumerate(reader.gather_batches(chunk, self.batch_size))
+                ]
+                while futures:
+                    while not futures[0].done():
+                        yield Waiting(futures[:1])
+                    yield futures.pop(0).result()
         finally:
+            if stages is not None:
+                stages.forget(owner)
             reader.close()
 
     def worker_pids(self) -> list[int]:
@@ -276,6 +324,9 @@ class UnitSource(BatchSource):
             pool, self._pool = self._pool, None
             workers, self._process_pool = self._process_pool, None
             decoded, self._decoded = self._decoded, None
+            stages, self._stages = self._stages, None
+        if stages is not None:
+            stages.close()  # (a stage still running is left to its daemon thread: it cannot be stopped)
         if decoded is not None:
             decoded.clear()
         if pool is not None:

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import abc
 from concurrent.futures import Future
-from typing import Any, Callable, Generator, Mapping, Sequence
+from typing import Any, Callable, Generator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
 from fuelline.server.sources.counters import Counts
 
-__all__ = ["BatchSource", "Batches", "Steps", "Waiting"]
+__all__ = ["BatchSource", "Batches", "StageRun", "Steps", "Waiting"]
 
 # What ``iter_batches`` returns: a generator, so that a session that stops early closes it and
 # the source lets go of its files, threads and buffers at once.
@@ -43,6 +43,15 @@ class Waiting:
 Steps = Generator["dict[str, np.ndarray] | Waiting", None, None]
 
 
+class StageRun(NamedTuple):
+    """A batch in a user's stage now: which stage (``module:function``), which batch (in words),
+    and since when (``time.monotonic()``)."""
+
+    stage: str
+    batch: str
+    started: float
+
+
 class BatchSource(abc.ABC):
     """The interface ``fuelline.server.Server`` serves."""
 
@@ -51,9 +60,11 @@ class BatchSource(abc.ABC):
     immutable_batches: bool = False
     # Worker processes asked for (``--workers``), for the metrics.
     workers: int = 0
-    # ``iter_steps`` never waits (it yields ``Waiting`` instead), and preparing a batch is work a
-    # serving loop may do on its own thread between requests; otherwise each client's batches
-    # are prepared on a thread of their own, which may wait on anything.
+    # ``iter_steps`` never waits (it yields ``Waiting`` instead) and runs no user code (a user's
+    # stage runs on other threads, and ``iter_steps`` waits for it as for a decode): preparing a
+    # batch is work a serving loop may do on its own thread between requests, at its own pace.
+    # Otherwise each client's batches are prepared on a thread of their own, which may wait on
+    # anything.
     cooperative: bool = False
 
     def __init__(self) -> None:
@@ -137,3 +148,12 @@ class BatchSource(abc.ABC):
     def memory_per_client(self, split: str) -> int:
         """Bytes a client of ``split`` holds in this server at most (read-ahead, prepared batches)."""
         return 0
+
+    def stage_runs(self) -> Sequence[StageRun]:
+        """The batches in a user's stage now, longest running first: what a server warns about
+        when one takes long, and names when it stops without them."""
+        return ()
+
+    def stage_times(self) -> Mapping[str, tuple[int, float]]:
+        """Per stage (``module:function``): the batches it finished and the seconds it took."""
+        return {}

@@ -36,6 +36,8 @@ class SourceOptions:
         worker_timeout: seconds a worker process may spend on one unit; 0 for no limit.
         cache_dir: local copies of a remote dataset's files (default: the user's cache folder).
         cache_mb: most megabytes of copies kept in ``cache_dir``.
+        stage_threads: threads that run user stages, each one client's batch at a time; 0: as
+            many as the cores, at least 4.
     """
 
     batch_size: int = 64
@@ -49,12 +51,13 @@ class SourceOptions:
     worker_timeout: float = 300.0
     cache_dir: str | None = None
     cache_mb: int = 10240
+    stage_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.on_bad_shard not in ("fail", "skip"):
             raise OptionError("on_bad_shard", f"must be fail or skip, got {self.on_bad_shard!r}")
         for name, least in (("batch_size", 1), ("shuffle_block", 1), ("cache_mb", 1), ("workers", 0),
-                            ("prefetch", 0), ("decoded_cache_mb", 0), ("seed", None)):
+                            ("prefetch", 0), ("decoded_cache_mb", 0), ("stage_threads", 0), ("seed", None)):
             object.__setattr__(self, name, _whole(name, getattr(self, name), least))
         if not isinstance(self.worker_timeout, (int, float)) or not 0 <= self.worker_timeout < math.inf:
             raise OptionError("worker_timeout", f"must be >= 0 seconds, got {self.worker_timeout!r}")
