@@ -1,7 +1,7 @@
 """``python -m benchmarks [BENCHMARK] [--quick]``: run one benchmark, or all, then write the summary.
 
 Benchmarks: transport, parquet, windows, pipeline, overlap, scaling, scaleout, trainer, compression;
-convergence and cost only when named (``python -m benchmarks convergence``, or ``python -m benchmarks.convergence``
+convergence, cost and stages only when named (``python -m benchmarks convergence``, or ``python -m benchmarks.convergence``
 with its own options; likewise ``cost``).
 Each writes ``<name>.json``, ``<name>.md`` and ``<name>.png`` to the results directory, and every
 run ends with ``summary.md`` and ``summary.png`` there. ``--quick`` runs them at tiny sizes with
@@ -24,7 +24,8 @@ BENCHMARKS = ("transport", "parquet", "windows", "pipeline", "overlap", "scaling
 # Run only when named: 15 epochs per configuration and seed take many minutes, and --quick
 # cannot show convergence.
 # cost: 34 server configurations, about a quarter of an hour at full size.
-BY_NAME_ONLY = ("convergence", "cost")
+# stages: a slow stage beside an honest client, 30 s a case and round.
+BY_NAME_ONLY = ("convergence", "cost", "stages")
 QUICK = {"rounds": 2, "batches": 20, "gb": 0.005}
 
 
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where <name>.json, .md and .png are written (default benchmarks/results; "
                              "with --quick, a new temporary directory)")
     parser.add_argument("--before", metavar="REV", default=None,
-                        help="windows: also measure the served contenders as commit REV serves them (before and after)")
+                        help="windows, pipeline, stages: also measure as commit REV serves (before and after, in one run)")
     parser.add_argument("--quick", action="store_true",
                         help=f"tiny sizes and {QUICK['rounds']} rounds: checks that every benchmark works")
     return parser
@@ -106,7 +107,7 @@ def run_one(name: str, args: argparse.Namespace) -> None:
     elif name == "pipeline":
         from benchmarks import pipeline
 
-        pipeline.run(rounds, data, results, quick=quick)
+        pipeline.run(rounds, data, results, quick=quick, before=args.before)
     elif name == "overlap":
         from benchmarks import overlap
 
@@ -133,6 +134,10 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         from benchmarks import cost
 
         cost.run(rounds, data, results, quick=quick)
+    elif name == "stages":
+        from benchmarks import stages
+
+        stages.run(rounds, data, results, quick=quick, before=args.before)
     else:
         from benchmarks import compression
 

@@ -62,7 +62,7 @@ class Round:
 # process's main thread (a `fuelline serve` process's serving loop, a consumer's own gathering) is
 # "main", libzmq's I/O threads "libzmq", any other "other".
 THREAD_ROLES = (("fl-produce", "producers"), ("fl-read", "read-ahead"), ("fl-fetch", "fetch"),
-                ("fl-workers", "workers"), ("fl-serve", "serving loop"), ("ZMQbg/IO", "libzmq"))
+                ("fl-workers", "workers"), ("fl-stage", "stages"), ("fl-serve", "serving loop"), ("ZMQbg/IO", "libzmq"))
 
 
 def threads_cpu_by_role(pids: Iterable[int], children: bool = True) -> dict[str, float]:

@@ -14,6 +14,9 @@ blocks of 8 recordings. Contenders, alternately:
   per-sample collation); the source is built in each worker (``worker_init_fn``), workers persist
   across rounds, blocks are dealt to workers round-robin, pin_memory off (CPU).
 
+With ``--before REV``, also: fuelline serve as revision REV serves the same dataset, and both with a
+user stage (``--stage fuelline.server.multimodal.stages:band_power``), for before and after in one run.
+
 The comparison is therefore about delivery (processes, threads, queues, sockets), not about the
 alignment arithmetic, which is the same code everywhere. The reference is the 980 windows/s of
 the Arrow pipeline this work started from.
@@ -33,7 +36,16 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from benchmarks.common import RESULTS_DIR, Contender, Round, ServerProcess, alternate, progress, time_batches
+from benchmarks.common import (
+    RESULTS_DIR,
+    Contender,
+    Round,
+    ServerProcess,
+    SourceTree,
+    alternate,
+    progress,
+    time_batches,
+)
 from benchmarks.report import Metric, RatioSpec, build_report, environment, write_results
 from fuelline.client import ServerDataStream
 from fuelline.server.ingest.convert import convert
@@ -225,7 +237,12 @@ def _checked(r: Round, windows: int, who: str, batch_size: int) -> Round:
 
 
 # -- the benchmark ----------------------------------------------------------------------------------
-def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: bool = False) -> dict[str, Any]:
+STAGE = "fuelline.server.multimodal.stages:band_power"
+SERVED_STAGE = "fuelline serve, a user stage"
+
+
+def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: bool = False,
+        before: str | None = None) -> dict[str, Any]:
     from benchmarks import plots
 
     env = environment()
@@ -252,6 +269,22 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         for loader in loaders.values():
             stack.callback(close_dataloader, loader)
         epoch = [0]
+        compared: list[Contender] = []
+        ratios_before: list[RatioSpec] = []
+        if before is not None:
+            tree = stack.enter_context(SourceTree(before, Path(logs)))
+            old = {}
+            for name, extra in ((SERVED, []), (SERVED_STAGE, ["--stage", STAGE])):
+                now_server = stack.enter_context(ServerProcess(name, [*argv, "--decoded-cache-mb", "0", *extra],
+                                                               Path(logs) / f"serve-now-{len(old)}.log"))
+                if extra:
+                    compared.append(Contender(name, lambda s=now_server, n=name: _checked(served_round(s, epochs), delivered, n, bs)))
+                label = f"{name} ({before})"
+                old[name] = stack.enter_context(ServerProcess(label, [*argv, "--decoded-cache-mb", "0", *extra],
+                                                              Path(logs) / f"serve-before-{len(old)}.log",
+                                                              pythonpath=tree.pythonpath))
+                compared.append(Contender(label, lambda s=old[name], n=label: _checked(served_round(s, epochs), delivered, n, bs)))
+                ratios_before.append(RatioSpec(name, label))
         contenders = [
             Contender(SERVED, lambda: _checked(served_round(server, epochs), delivered, SERVED, bs)),
             Contender(SERVED_KEPT, lambda: _checked(served_round(kept, epochs), delivered, SERVED_KEPT, bs)),
@@ -261,6 +294,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
             Contender(IN_PROCESS, lambda: _checked(in_process_round(source, epoch, epochs), delivered, IN_PROCESS, bs)),
             *(Contender(dataloader_name(w), lambda w=w: _checked(dataloader_round(loaders[w], epochs), delivered,
                                                                dataloader_name(w), bs)) for w in DL_WORKERS),
+            *compared,
         ]
         wps = Metric("windows/s", lambda r: r.rows / r.seconds, "{:,.0f}")
         mbs = Metric("MB/s", lambda r: r.bytes / r.seconds / 1e6, "{:,.0f}")
@@ -276,7 +310,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
         "rounds": rounds, "quick": quick, **size, "seed": SEED, "train_windows": windows, "epochs_per_round": epochs,
         "shuffle_block": BLOCK_UNITS,
         "window": "2.0 s every 1.0 s, max gap 2, zscore", "hwm": HWM, "dataloader_workers": list(DL_WORKERS),
-        "dataset": dataset,
+        "dataset": dataset, "before": before,
     }
     notes = [
         f"{rounds} timed rounds after one untimed warm-up pass of each, contenders alternately; {epochs} epoch(s) of "
@@ -315,7 +349,7 @@ def run(rounds: int, data_dir: Path, results_dir: Path = RESULTS_DIR, quick: boo
                               RatioSpec(SERVED_TWO, IN_PROCESS, 1.0), RatioSpec(SERVED_TWO, best_dl, 1.5),
                               RatioSpec(SERVED_PROCS, IN_PROCESS, 1.0), RatioSpec(SERVED_PROCS, best_dl, 1.5),
                               RatioSpec(SERVED_TWO, SERVED), RatioSpec(SERVED_PROCS, SERVED),
-                              RatioSpec(SERVED_KEPT, IN_PROCESS)],
+                              RatioSpec(SERVED_KEPT, IN_PROCESS), *ratios_before],
         parameters, notes, env, exits=exits,
         extra={"reference_windows_per_s": REFERENCE_WINDOWS_PER_S, "best_dataloader": best_dl,
                "served_over_reference": {"value": served_over_ref, "target": 20.0,
