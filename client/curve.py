@@ -11,13 +11,18 @@ ZeroMQ refuses a client during the handshake, before any fuelline message, so a 
 would only see silence. ``HandshakeWatch`` reads the socket's monitor events instead: a refused
 key or a CURVE/plain mismatch fails at once, and other failed handshakes are named when the
 client gives up. The same events tell a refused TCP connection (nothing listens at the port)
-from a server that accepted it and stays silent.
+from a server that accepted it and stays silent. A host name that does not resolve looks like a
+refusal to them (libzmq retries both alike): when connections are refused, the name is looked up
+once, on a thread of its own, so that the client says which it is.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,7 +31,14 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from fuelline.protocol import RemoteError
-from fuelline.protocol.common.keyfiles import PathLike, check_key, load_key_file, require_curve
+from fuelline.protocol.common.keyfiles import (
+    PathLike,
+    check_key,
+    holds_secret_key,
+    load_key_file,
+    load_public_key_file,
+    require_curve,
+)
 
 __all__ = [
     "CurveKeys", "HandshakeWatch", "load_key_file", "check_key", "require_curve", "CURVE_REFUSED", "CURVE_MISMATCH",
@@ -58,12 +70,20 @@ class CurveKeys:
         """Reads ``DIR/client.key_secret`` (this client's pair) and ``DIR/server.key``.
 
         Raises:
-            DataError: a file is missing or unreadable (the message names it).
+            DataError: a file is missing or unreadable, or ``DIR/server.key`` holds a secret key
+                (the server's ``server.key_secret`` copied over): the message names it.
         """
         require_curve()
         directory = os.fspath(directory)
         public, secret = load_key_file(os.path.join(directory, f"{name}.key_secret"), secret=True)
-        server_key, _ = load_key_file(os.path.join(directory, f"{server}.key"))
+        shared = os.path.join(directory, f"{server}.key")
+        if holds_secret_key(shared) and load_key_file(shared)[0] == public:
+            instead = (f"this one is a copy of this client's own {name}.key_secret, not the server's key; copy the "
+                       f"server's public {server}.key here instead (never {server}.key_secret)")
+        else:
+            instead = (f"copy the server's public {server}.key here instead (never {server}.key_secret), and make the "
+                       "server a new key pair (`fuelline keygen`): this one is exposed")
+        server_key = load_public_key_file(shared, instead=instead)
         assert secret is not None  # load_key_file(secret=True) raised otherwise
         return cls(public, secret, server_key)
 
@@ -72,6 +92,51 @@ class CurveKeys:
         sock.curve_publickey = self.public_key
         sock.curve_secretkey = self.secret_key
         sock.curve_serverkey = self.server_key
+
+
+class NameLookup:
+    """Whether a host name resolves, asked of the system's resolver on a daemon thread: a lookup
+    can take seconds where DNS is slow, so callers read ``failure`` once ``done``, or wait a
+    bounded moment. Only made when connections are refused, never on the way to a server that answers."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.started = time.monotonic()
+        self.failure: str | None = None  # why the name does not resolve, once known
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(port,), name="fuelline-resolve", daemon=True).start()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, until: float) -> None:
+        """Wait for the answer until monotonic time ``until`` at most."""
+        self._done.wait(max(0.0, until - time.monotonic()))
+
+    def _run(self, port: int) -> None:
+        try:
+            socket.getaddrinfo(self.host, port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            self.failure = exc.strerror or str(exc)
+        except (OSError, UnicodeError) as exc:  # (a name that is not even one: "label too long")
+            self.failure = str(exc)
+        finally:
+            self._done.set()
+
+    @classmethod
+    def of(cls, endpoint: str) -> "NameLookup | None":
+        """A lookup of ``tcp://HOST:PORT``'s host; None for an address, which needs none, or another transport."""
+        if not endpoint.startswith("tcp://"):
+            return None
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        host = host.strip("[]")
+        try:
+            ipaddress.ip_address(host)
+            return None
+        except ValueError:
+            pass
+        return cls(host, int(port)) if host and port.isdigit() else None
 
 
 class HandshakeWatch:
@@ -108,6 +173,8 @@ class HandshakeWatch:
         self.refusals = 0  # refused attempts in a row, across sockets, until a connection is made
         self.refused_since: float | None = None  # monotonic time of the first of them
         self._told = False  # this run of refusals was logged
+        # Whether the host name resolves, looked up when a run of refusals starts: both look alike.
+        self._lookup: NameLookup | None = None
 
     def attach(self, sock: zmq.Socket) -> None:
         """Watch ``sock``; call before ``connect``."""
@@ -151,11 +218,29 @@ class HandshakeWatch:
         if self.refused_since is None:
             self._told = False
             return 0.0
-        if not self._told and self.refusals >= 3:  # not a server that is just starting
+        if not self._told and self.refusals >= 3 and self._looked_up(now):  # not a server that is just starting
             self._told = True
-            log.warning("server %s refuses connections (nothing listens at %s); retrying for up to %.0fs",
-                        self.endpoint, _host_port(self.endpoint), limit)
+            unresolved = self.unresolved
+            if unresolved is not None:
+                log.warning("server %s: %s; retrying for up to %.0fs", self.endpoint, unresolved, limit)
+            else:
+                log.warning("server %s refuses connections (nothing listens at %s); retrying for up to %.0fs",
+                            self.endpoint, _host_port(self.endpoint), limit)
         return now - since
+
+    LOOKUP_WAIT = 1.0  # seconds after its start a name's lookup is waited for, before "refused" is said
+
+    def _looked_up(self, now: float) -> bool:
+        return self._lookup is None or self._lookup.done or now - self._lookup.started > self.LOOKUP_WAIT
+
+    @property
+    def unresolved(self) -> str | None:
+        """Why the host name does not resolve, if its lookup (made when connections were refused)
+        found so; None otherwise, and while it is under way."""
+        lookup = self._lookup
+        if lookup is None or not lookup.done or lookup.failure is None:
+            return None
+        return f"the host name {lookup.host} does not resolve: {lookup.failure}"
 
     def check(self) -> RemoteError | None:
         """Reads the events that arrived; the error to fail with if the server refused this client."""
@@ -180,6 +265,7 @@ class HandshakeWatch:
             self._state = "connected"
             self._tcp_up = True
             self.refusals, self.refused_since = 0, None
+            self._lookup = None  # (it resolved: it connected)
         elif kind == zmq.EVENT_CONNECT_RETRIED:
             # Also sent when a connection that was up dropped and libzmq starts over: only a
             # retry with no connection since the previous one is a refusal.
@@ -187,6 +273,8 @@ class HandshakeWatch:
                 self.refusals += 1
                 if self.refused_since is None:
                     self.refused_since = time.monotonic()
+                    if self._lookup is None or self._lookup.done:  # (one at a time)
+                        self._lookup = NameLookup.of(self.endpoint)
             self._tcp_up = False
         elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._state, self.failures, self.last_failure = "succeeded", 0, ""
@@ -219,7 +307,9 @@ class HandshakeWatch:
     def hint(self) -> str:
         """Why a server may stay silent, as far as the handshakes tell; "" when they do not."""
         if self.refused:
-            return f"connection refused: nothing listens at {_host_port(self.endpoint)}"
+            if self._lookup is not None:  # (giving up: worth a moment to say which it is)
+                self._lookup.wait(self._lookup.started + self.LOOKUP_WAIT)
+            return self.unresolved or f"connection refused: nothing listens at {_host_port(self.endpoint)}"
         if self._state == "failed":
             times = "once" if self.failures == 1 else f"{self.failures} times"
             what = f"the handshake failed {times} (last: {self.last_failure})"

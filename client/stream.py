@@ -23,6 +23,7 @@ from fuelline.client.signature import stream_arguments
 from fuelline.client.turns import take_in_turn
 from fuelline.protocol import DEFAULT_LIMITS, Hello, Limits
 from fuelline.protocol.common.endpoints import tcp_endpoint
+from fuelline.protocol.common.ports import check_port
 
 __all__ = ["ServerDataStream"]
 
@@ -154,12 +155,13 @@ class ServerDataStream:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
         if endpoints is None:
+            port = check_port(port, "port")
             endpoints = [f"[{host}]:{port}" if ":" in host.strip("[]") else f"{host}:{port}"]
         elif isinstance(endpoints, str):
             endpoints = [e for e in endpoints.split(",") if e]
         if not endpoints:
             raise ValueError("endpoints must name at least one HOST:PORT")
-        servers = tuple(tcp_endpoint(e) for e in endpoints)
+        servers = tuple(tcp_endpoint(e, "endpoints") for e in endpoints)
         if len(set(servers)) != len(servers):
             raise ValueError(f"endpoints {list(endpoints)} name a server twice")
         if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:

@@ -91,9 +91,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     servers = [s for s in args.servers.split(",") if s]
     for server in servers:
         try:
-            parse_host_port(server)
-        except ValueError:
-            p.error(f"--servers: {server!r} is not HOST:PORT")
+            parse_host_port(server, "--servers")
+        except ValueError as exc:
+            p.error(str(exc))
     if not servers or len(set(servers)) != len(servers):
         p.error(f"--servers: give each data server once, got {args.servers!r}")
     args.servers = servers

@@ -7,7 +7,10 @@ import argparse
 import math
 from typing import Any, Callable
 
-__all__ = ["checked", "fraction", "positive_int", "non_negative_int", "seconds", "non_negative_float", "host_port"]
+__all__ = [
+    "checked", "fraction", "positive_int", "non_negative_int", "seconds", "non_negative_float", "host_port", "port",
+    "listen_port",
+]
 
 
 def positive_int(text: str) -> int:
@@ -47,6 +50,25 @@ def host_port(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text.strip()
+
+
+def _port(text: str, free: bool) -> int:
+    from fuelline.protocol.common.ports import check_port
+
+    try:
+        return check_port(text, "port", free=free)
+    except ValueError as exc:  # (OptionError: argparse names the option itself)
+        raise argparse.ArgumentTypeError(getattr(exc, "rule", str(exc))) from None
+
+
+def port(text: str) -> int:
+    """A TCP port to connect to: 1..65535."""
+    return _port(text, free=False)
+
+
+def listen_port(text: str) -> int:
+    """A TCP port to listen on: 1..65535, or 0 for a free one."""
+    return _port(text, free=True)
 
 
 def fraction(text: str) -> float:

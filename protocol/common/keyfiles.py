@@ -13,11 +13,15 @@ from zmq.utils import z85
 
 from fuelline.protocol.errors import DataError
 
-__all__ = ["PathLike", "check_key", "load_key_file", "require_curve"]
+__all__ = ["PathLike", "check_key", "load_key_file", "load_public_key_file", "holds_secret_key", "require_curve"]
 
 log = logging.getLogger("fuelline")
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+# A certificate is a few hundred bytes: a file in a key folder is read this far to tell whether
+# it holds a secret key, whatever else was put there.
+_SCAN_BYTES = 1 << 16
 
 
 def require_curve() -> None:
@@ -66,3 +70,39 @@ def load_key_file(path: PathLike, *, secret: bool = False) -> tuple[bytes, bytes
         if mode & 0o077:
             log.warning("CURVE secret key %s can be read by others (mode %o); chmod 600 it", path, mode)
     return public, secret_key
+
+
+def holds_secret_key(path: PathLike) -> bool:
+    """Whether the file at ``path`` holds a CURVE secret key, as a ZeroMQ certificate line
+    (``secret-key = ...``), whatever its name: ``NAME.key_secret`` holds the public key too,
+    and a copy of it is a secret key file under any name. False for what cannot be read, and for
+    what is not a regular file (a FIFO would block the read)."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SCAN_BYTES)
+    except OSError:
+        return False
+    return any(line.strip().startswith(b"secret-key") for line in head.splitlines())
+
+
+def load_public_key_file(path: PathLike, *, instead: str) -> bytes:
+    """The public key of a ZeroMQ certificate file that must hold nothing else: a key copied from
+    its owner (a client's key in the server's ``authorized/``, the server's key on a client).
+
+    Args:
+        instead: what to do instead, as the message says it after "a secret key must never leave
+            its owner: " (which file to copy, and that the pair is exposed).
+
+    Raises:
+        DataError: as ``load_key_file``, or the file holds a secret key; the message names the
+            file and says which file to copy instead.
+    """
+    path = os.fspath(path)
+    if holds_secret_key(path):
+        raise DataError(
+            f"CURVE key file {path} holds a secret key, where a public key belongs: a secret key must never leave "
+            f"its owner: {instead}"
+        )
+    return load_key_file(path)[0]

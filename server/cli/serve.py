@@ -8,7 +8,7 @@ import dataclasses
 import logging
 
 from fuelline.protocol import DataError, OptionError
-from fuelline.protocol.common.argtypes import non_negative_float, non_negative_int, positive_int, seconds
+from fuelline.protocol.common.argtypes import listen_port, non_negative_float, non_negative_int, positive_int, seconds
 from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS
 from fuelline.server.sources.options import SourceOptions
 
@@ -22,7 +22,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     serve.add_argument("dataset", help="directory of Parquet files, or of split folders of them, or a "
                                        "converted dataset; local or a URI (s3://bucket/prefix, file://...)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=5557, help="TCP port; 0 picks a free one")
+    serve.add_argument("--port", type=listen_port, default=5557, help="TCP port; 0 picks a free one")
     serve.add_argument("--hwm", type=positive_int, default=10, help="batches in flight per client")
     serve.add_argument("--batch-size", type=positive_int, default=64, help="rows (windows) per batch")
     serve.add_argument("--seed", type=int, default=0, help="seeds every epoch's order, with the epoch number")
@@ -65,7 +65,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     serve.add_argument("--shared-memory", action=argparse.BooleanOptionalAction, default=True,
                        help="place the batches of clients on the Unix socket in shared memory (no copy through "
                             "the socket, no checksum)")
-    serve.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+    serve.add_argument("--metrics-port", type=listen_port, default=None, metavar="PORT",
                        help="serve Prometheus metrics over HTTP at /metrics on this port (0 picks a free one; "
                             "the log says which); off by default")
     serve.add_argument("--metrics-host", default="127.0.0.1",

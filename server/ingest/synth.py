@@ -42,7 +42,7 @@ import pyarrow.csv as pacsv
 from fuelline.protocol.common.atomic import atomic_directory
 from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES
 
-__all__ = ["EMOTION_PROBABILITIES", "channel_names", "synthesize"]
+__all__ = ["EMOTION_PROBABILITIES", "channel_names", "estimated_bytes", "synthesize"]
 
 # Share of each emotion (in EMOTIONS order) among the recordings of the original data set.
 EMOTION_PROBABILITIES = (0.415, 0.213, 0.135, 0.106, 0.088, 0.043)
@@ -268,6 +268,14 @@ def _write_small(path: str, header: tuple[str, ...], rows: list[tuple]) -> None:
         f.writelines("\t".join(map(str, row)) + "\n" for row in rows)
 
 
+def estimated_bytes(recordings: int, seconds: float, video_dim: int = 136) -> int:
+    """About how many bytes ``synthesize`` writes: each sample is a line of TSV, its timestamp
+    about 12 characters and each channel about 8 (measured on its output: a little more than it writes,
+    by a fifth at most)."""
+    per_second = sum(rate * (12 + 8 * len(channel_names(m, video_dim))) for m, rate in MODALITIES.items())
+    return round(recordings * seconds * per_second)
+
+
 def _folder_bytes(root: str) -> int:
     return sum(os.path.getsize(os.path.join(d, name)) for d, _, names in os.walk(root) for name in names)
 
@@ -297,7 +305,7 @@ def synthesize(
                          "jitter_ms >= 0 are required")
     if os.path.exists(out):
         raise FileExistsError(f"{out} exists; remove it or choose another path")
-    with atomic_directory(out, "raw folder") as tmp:
+    with atomic_directory(out, "raw folder", needed=lambda: estimated_bytes(recordings, seconds, video_dim)) as tmp:
         summary = _write_dataset(tmp, recordings, seconds, seed, video_dim, drop, jitter_ms, probe)
     return summary
 

@@ -21,14 +21,19 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
-from glob import glob
 from typing import Union
 
 import zmq
 import zmq.auth
 
 from fuelline.protocol import DataError
-from fuelline.protocol.common.keyfiles import check_key, load_key_file, require_curve
+from fuelline.protocol.common.keyfiles import (
+    check_key,
+    holds_secret_key,
+    load_key_file,
+    load_public_key_file,
+    require_curve,
+)
 
 __all__ = ["CurveConfig", "keygen", "is_loopback"]
 
@@ -78,7 +83,9 @@ class CurveConfig:
         public, secret = load_key_file(os.path.join(directory, "server.key_secret"), secret=True)
         assert secret is not None  # load_key_file(secret=True) raised otherwise
         shared = os.path.join(directory, "server.key")
-        if os.path.exists(shared) and load_key_file(shared)[0] != public:
+        instead = ("clients copy this file, so put only the public key in it (the server.key `fuelline keygen` "
+                   "wrote beside server.key_secret), and make a new key pair if clients copied it already")
+        if os.path.exists(shared) and load_public_key_file(shared, instead=instead) != public:
             # Clients trust server.key: one that is not this pair's would lock them all out.
             raise DataError(f"{shared} is not the public half of {directory}/server.key_secret")
         config = cls(public, secret, os.path.join(directory, "authorized"))
@@ -86,13 +93,27 @@ class CurveConfig:
         return config
 
     def client_keys(self) -> dict[bytes, str]:
-        """The authorized client public keys (Z85), each with the file it came from."""
+        """The authorized client public keys (Z85), each with the file it came from.
+
+        Raises:
+            DataError: the directory is missing, a ``*.key`` file is unreadable, or a file there
+                holds a secret key, whatever its name (``NAME.key_secret`` copied over instead of
+                ``NAME.key``); the message names the file.
+        """
         if not os.path.isdir(self.authorized):
             raise DataError(
                 f"CURVE: no directory {self.authorized}; create it and put there the public "
                 "certificate (.key file) of every client to accept"
             )
-        keys = {load_key_file(path)[0]: path for path in sorted(glob(os.path.join(self.authorized, "*.key")))}
+        instead = (f"copy the client's public NAME.key (never NAME.key_secret) into {self.authorized}/ instead, "
+                   "delete this file, and have that client make a new key pair (`fuelline keygen`): this one is exposed")
+        keys: dict[bytes, str] = {}
+        for name in sorted(os.listdir(self.authorized)):
+            path = os.path.join(self.authorized, name)
+            # Every file is looked at, not only *.key: a secret key is refused under any name.
+            authorized = name.endswith(".key") and not name.startswith(".")
+            if authorized or holds_secret_key(path):
+                keys[load_public_key_file(path, instead=instead)] = path
         if not keys:
             log.warning("CURVE: no client keys (*.key) in %s: every client will be refused", self.authorized)
         return keys

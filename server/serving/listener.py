@@ -15,6 +15,7 @@ from typing import Any, Callable, TypeVar
 import zmq
 
 from fuelline.protocol import DataError
+from fuelline.protocol.common.ports import check_port
 from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.serving.inbound import MAX_INBOUND_BYTES
 from fuelline.server.serving.keys import CurveConfig, is_loopback, start_authenticator
@@ -48,6 +49,7 @@ class Listener:
         shared_memory: bool = True,
         share_port: bool = False,
     ) -> None:
+        port = check_port(port, "port", free=True)  # (libzmq would listen on the port modulo 65536)
         if curve is None and not insecure and not is_loopback(host):
             raise DataError(
                 f"refusing to serve on {host} without CURVE: anyone who can reach the port could read the data. "
