@@ -36,7 +36,7 @@ def serve_until_signalled(server: Server, announce: bool = True, *, exiting: boo
     """
     main = threading.current_thread() is threading.main_thread()
     if main:
-        armed = []
+        armed: list[int] = []
 
         def on_signal(signum: int, frame: Any) -> None:
             if not armed:
