@@ -150,6 +150,7 @@ class Connection(Receiving):
         self._server_heartbeat = heartbeat
         self._bye_reason = ""
         self._bye_pending = False
+        self._busy_since: float | None = None  # when a server that welcomed us first said it was full
         self._backoff = self.BACKOFF_MIN
         self._retry_at: float | None = None
         self._last_heard = self._last_sent = self._hello_sent = self._started = time.monotonic()

@@ -93,6 +93,8 @@ class Receiving:
         def _send(self, msg: Any) -> None: ...
     _bye_reason: str
     _bye_pending: bool
+    _busy_since: float | None
+    _timeout: float
     _backoff: float
     _last_heard: float
     _local: bool
@@ -167,6 +169,23 @@ class Receiving:
                 return
             self._on_message(msg)
 
+    def _full(self, message: str) -> None:
+        """A server that welcomed this connection before is full now (its session was given up to a
+        newcomer while this client held its batches, or it restarted with fewer places): a place
+        may come free, so it is asked again with backoff, as after silence, for up to ``timeout``;
+        a client never welcomed is told at once (``RemoteError`` busy)."""
+        now = time.monotonic()
+        if self._busy_since is None:
+            self._busy_since = now
+            log.warning("server %s is full: %s; asking again for up to %.0fs", self.endpoint, message, self._timeout)
+        if now - self._busy_since > self._timeout:
+            self._fail(RemoteError(ErrorCode.BUSY, f"{message} (asked again for {now - self._busy_since:.0f}s)",
+                                   peer=self.endpoint))
+            return
+        self._bye_reason = message
+        self._bye_pending = True
+        self._connected = False
+
     def _place(self, stream: int, metas: list[ArrayMeta], placement: Placement) -> dict:
         """A placed batch's arrays; none for a batch of a stream a later Hello replaced (dropped
         unread: its session's slabs may be gone)."""
@@ -214,6 +233,7 @@ class Receiving:
                 self._connected = True
                 self._awaiting_welcome = False
                 self._bye_reason = ""
+                self._busy_since = None
                 self._backoff = self.BACKOFF_MIN
                 self._server_heartbeat = msg.heartbeat
                 self.welcome = msg
@@ -239,6 +259,8 @@ class Receiving:
                 if not self._awaiting_welcome:
                     self._connected = False
                     self._say_hello()
+            elif msg.code == ErrorCode.BUSY and self.welcome is not None:
+                self._full(msg.message)
             elif msg.fatal:
                 self._fail(RemoteError(msg.code, msg.message, peer=self.endpoint))
             else:

@@ -41,7 +41,8 @@ def test_idle_hellos_cost_no_thread_and_little_memory(wide_dataset: Path, start_
     server = start_serve(wide_dataset, "--batch-size", str(WIDE_BATCH), "--hwm", "4")
     honest, attack_over = start_honest(server.port)
     rss, threads = RssSampler(server.proc.pid), ThreadPeak(server.proc.pid)
-    peers = [Peer(zmq_context, server.port) for _ in range(200)]
+    # From two addresses: one may hold fewer than half of the server's 256 places.
+    peers = [Peer(zmq_context, server.port, source=f"127.0.0.{2 + i % 2}") for i in range(200)]
     try:
         answers = welcome_all(peers, lambda i: Hello(f"idle-{i}", credit=0, heartbeat=3600.0))
         assert all(isinstance(a, Welcome) for a in answers), [a for a in answers if not isinstance(a, Welcome)][:3]

@@ -1,5 +1,6 @@
 """Admission caps: idle and silent connections never lock an honest client out, a Hello over a
-cap is refused busy naming the cap, and idle sessions make room for a newcomer.
+cap is refused busy naming the cap, no two addresses fill a server, and idle sessions make room
+for a newcomer.
 
 DESIGN.md (Safety): sessions, threads and memory are bounded by the server's own caps, whatever
 peers send or claim (credit, heartbeat, world size). Each test attacks a real server process over
@@ -19,6 +20,15 @@ from fuelline.client import ServerDataStream
 from fuelline.protocol import Batch, Bye, Credit, Error, Heartbeat, Hello, Welcome
 
 from support.admission import REPLY_WAIT, Peer, welcome_all
+
+
+def _read_and_grant(peers: list[Peer]) -> None:
+    """Working clients: each takes the batches that came and grants credit for them again."""
+    for peer in peers:
+        taken = 0
+        while (msg := peer.recv(0.0)) is not None:
+            taken += isinstance(msg, Batch)
+        peer.send(Credit(taken) if taken else Heartbeat())
 
 
 # -- connections that say Hello and nothing more ------------------------------------------------
@@ -92,12 +102,44 @@ def test_a_hello_over_a_cap_is_refused_busy_naming_the_cap(sample_dataset: Path,
     assert "refused: server busy" in server.log()
 
 
+@pytest.mark.timeout(120)
+def test_with_the_default_caps_two_addresses_cannot_fill_the_server(sample_dataset: Path, start_serve,
+                                                                    zmq_context) -> None:
+    # The default --max-clients (256) and per-address cap; sessions that read (granted credit),
+    # and a grace longer than the test, so that the caps alone decide.
+    server = start_serve(sample_dataset, "--batch-size", "1000", "--hwm", "1", "--max-client-heartbeat", "600")
+    peers: list[Peer] = []
+    welcomed: dict[str, int] = {}
+    try:
+        for source in ("127.0.0.2", "127.0.0.3"):
+            # Each address opens sessions until it is refused (at most as many as the server has).
+            welcomed[source] = 0
+            while welcomed[source] < 256:
+                peers.append(Peer(zmq_context, server.port, source=source))
+                peers[-1].send(Hello(f"{source}-{welcomed[source]}", credit=1, heartbeat=600.0))
+                answer = peers[-1].answer()
+                if not isinstance(answer, Welcome):
+                    break
+                welcomed[source] += 1
+            assert isinstance(answer, Error) and answer.code == "busy", answer
+            assert f"127 sessions from {source} (--max-clients-per-peer)" in answer.message, answer.message
+        assert welcomed == {"127.0.0.2": 127, "127.0.0.3": 127}
+        # Fewer than half each: a third address still finds a place.
+        third = Peer(zmq_context, server.port, source="127.0.0.4")
+        peers.append(third)
+        third.send(Hello("third", credit=1, heartbeat=600.0))
+        assert isinstance(third.answer(), Welcome) and isinstance(third.answer(), Batch)
+    finally:
+        for peer in peers:
+            peer.close()
+
+
 @pytest.mark.timeout(60)
 def test_idle_sessions_make_room_for_a_newcomer_and_working_ones_do_not(sample_dataset: Path, start_serve,
                                                                        zmq_context) -> None:
-    grace = 1.0
-    server = start_serve(sample_dataset, "--max-clients", "3", "--max-client-heartbeat", str(grace),
-                         "--heartbeat", "0.1", "--hwm", "2")
+    grace = 2.0
+    server = start_serve(sample_dataset, "--max-clients", "3", "--max-clients-per-peer", "3",
+                         "--max-client-heartbeat", str(grace), "--heartbeat", "0.1", "--hwm", "2")
     working = Peer(zmq_context, server.port)
     idle = [Peer(zmq_context, server.port) for _ in range(2)]
     honest = Peer(zmq_context, server.port)
@@ -105,8 +147,11 @@ def test_idle_sessions_make_room_for_a_newcomer_and_working_ones_do_not(sample_d
     try:
         working.send(Hello("working", credit=1, heartbeat=grace))
         assert isinstance(working.answer(), Welcome) and isinstance(working.answer(), Batch)
-        answers = welcome_all(idle, lambda i: Hello(f"idle-{i}", credit=0, heartbeat=grace))
-        assert all(isinstance(a, Welcome) for a in answers), answers
+        working.send(Credit(1))  # it works: it grants credit for each batch it takes
+        for i, peer in enumerate(idle):  # one after the other (two connections' Hellos may cross): idle-0 is older
+            peer.send(Hello(f"idle-{i}", credit=0, heartbeat=grace))
+            assert isinstance(peer.answer(), Welcome)
+        _read_and_grant([working])
         # A newcomer that grants credit takes the oldest idle session's place at once: idle
         # connections, however many and however young, never lock an honest client out.
         honest.send(Hello("honest", credit=2, heartbeat=grace))
@@ -120,8 +165,8 @@ def test_idle_sessions_make_room_for_a_newcomer_and_working_ones_do_not(sample_d
         full_at = time.monotonic()
         welcomed_at = None
         while welcomed_at is None and time.monotonic() - full_at < 10.0:
-            for peer in [working, honest, idle[1]]:
-                peer.send(Heartbeat())  # all alive: only credit (or its absence) tells them apart
+            _read_and_grant([working, honest])  # all alive: only credit (or its absence) tells them apart
+            idle[1].send(Heartbeat())
             newcomer = Peer(zmq_context, server.port)
             newcomer.send(Hello("newcomer", credit=0, heartbeat=grace))
             attempts.append(newcomer.answer())
@@ -137,9 +182,11 @@ def test_idle_sessions_make_room_for_a_newcomer_and_working_ones_do_not(sample_d
         # That newcomer is idle in turn, and gives way to one that grants credit; once every
         # session works, a newcomer is refused: working sessions are never the ones given up.
         late = Peer(zmq_context, server.port)
+        _read_and_grant([working, honest])
         late.send(Hello("late", credit=2, heartbeat=grace))
         assert isinstance(late.answer(), Welcome)
         later = Peer(zmq_context, server.port)
+        _read_and_grant([working, honest])
         later.send(Hello("later", credit=2, heartbeat=grace))
         refused = later.answer()
         later.close()

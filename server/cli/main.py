@@ -32,7 +32,7 @@ def shown_default(action: argparse.Action) -> str | None:
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """Ends each option's help with its default, unless the help already says what it is (for a
-    default that is not a plain value: "default: all but an eighth of --max-clients")."""
+    default that is not a plain value: "default: fewer than half of --max-clients")."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""

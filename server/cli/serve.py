@@ -72,13 +72,16 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                        help="interface of the metrics endpoint (default loopback; it has no authentication)")
     serve.add_argument("--max-clients", type=positive_int, default=DEFAULT_MAX_CLIENTS, metavar="N",
                        help="most client sessions at once; a Hello beyond is refused as busy, unless a session "
-                            "that granted no credit for --max-client-heartbeat seconds can make room")
+                            "stalled by its client (no credit left, none granted for --max-client-heartbeat "
+                            "seconds) gives its place, the longest stalled first; one whose next batch is still "
+                            "being prepared keeps it")
     serve.add_argument("--max-clients-per-peer", type=positive_int, default=None, metavar="N",
                        help="most sessions from one address (every client on this host shares one); default: "
-                            "all but an eighth of --max-clients")
+                            "(--max-clients - 1) // 2, so that no two addresses fill the server")
     serve.add_argument("--max-client-heartbeat", type=seconds, default=None, metavar="SECONDS",
                        help="longest heartbeat interval a client may claim: a silent one is dropped after 3 of "
-                            "them; default: 10 x --heartbeat, at least 30")
+                            "them; also how long a session with no credit left may go without a grant before "
+                            "it gives its place on a full server; default: 10 x --heartbeat, at least 30")
     # Given by the supervisor of --processes N to each serving process it starts (not for people).
     serve.add_argument("--serving-process", type=non_negative_int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--serving-processes", type=non_negative_int, default=None, help=argparse.SUPPRESS)

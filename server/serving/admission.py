@@ -4,17 +4,31 @@ Sessions, threads and memory are bounded by the server's own caps, whatever peer
 Only once its client has granted credit does a session have batches prepared (up to 2 × hwm
 held) and, for a Fuel-style stream, a producer thread; before that it holds a place and nothing
 else. So when a cap is reached the server refuses the newcomer (``ErrorCode.BUSY``, naming the
-cap) rather than drop a working session. Idle sessions (whose client never granted credit) give
-way instead: to a newcomer that grants credit at once, the oldest of them, so connections that say
-Hello and then nothing cannot lock an honest client out however many they are; to another idle
-newcomer, only one idle for ``grace`` seconds, so idle connections cannot take each other's places
-in a loop either.
+cap) rather than drop a session that works.
+
+A session works while its client keeps granting credit. One that has none left (its client
+holds every batch it asked for, or never asked for any) and has granted none for ``grace``
+seconds is stalled by its client, and gives its place to a newcomer, the one stalled longest
+first: connections that say Hello and read nothing, or read a few batches and then nothing,
+cannot lock an honest client out however many they are. A session with credit the server has not
+used yet waits on the server (a stage may take seconds a batch), not on its client, and keeps
+its place however long that takes. Sessions that never granted credit also give way sooner: to
+a newcomer that grants credit at once, whatever their age (the longest stalled going first), so
+idle connections cannot hold places against working clients even for the grace; to another idle
+newcomer, only once idle for ``grace`` seconds, so idle connections cannot take each other's
+places in a loop either. A session given up is told why (a ``Bye``); its ``ServerDataStream``
+reconnects at once, and resumes where it was if it finds a place (a free one, or one stalled in
+turn); on a server still full its Hello is refused ``busy`` like any other.
 
 Defaults: 256 sessions, a place per client for a large training job (32 hosts × 8 ranks, or one
 host's ranks × DataLoader workers × splits), and far below the thread limits of a host or a
-container. Per address, all but an eighth of them: every process of one host shares its address
-(on loopback every client does, and over ipc they all read as ``"local"``), so the cap must leave
-one host most of the server, but never all of it.
+container. Per address, ``(max_clients - 1) // 2``: fewer than half, so no two addresses fill
+the server (two leave at least one place free: two of 256 by default), and as much as
+that allows to one host, where every process shares an address (on loopback every client does,
+and over ipc they all read as ``"local"``): 127 of 256 is 8 ranks × 7 DataLoader workers × 2
+splits, or 8 ranks × 15 workers on one split. A host that needs more sets
+``--max-clients-per-peer`` (or a larger ``--max-clients``). A quarter would hold one host to 8
+ranks × 4 workers × 2 splits and still let four addresses fill the server.
 """
 
 from __future__ import annotations
@@ -38,8 +52,9 @@ REFUSALS_LOGGED_EVERY = 10.0  # seconds: a flood of Hellos over a cap is one log
 
 
 def default_per_peer(max_clients: int) -> int:
-    """Sessions one address may hold unless told otherwise: all but an eighth of them."""
-    return max(1, max_clients - max_clients // 8)
+    """Sessions one address may hold unless told otherwise: fewer than half of them, so that no
+    two addresses fill the server (from 3 sessions up; at least 1)."""
+    return max(1, (max_clients - 1) // 2)
 
 
 def default_max_heartbeat(heartbeat: float) -> float:
@@ -73,8 +88,8 @@ class Admission:
     Args:
         max_clients: most sessions at once.
         max_clients_per_peer: most sessions from one peer address.
-        grace: seconds a session may go without its client granting any credit before it can
-            be given up for a newcomer when a cap is reached.
+        grace: seconds a session with no credit left may go without its client granting any
+            before it can be given up for a newcomer when a cap is reached.
     """
 
     def __init__(self, max_clients: int, max_clients_per_peer: int | None, grace: float) -> None:
@@ -103,9 +118,9 @@ class Admission:
             pool, cap = staying, f"{self.max_clients} sessions (--max-clients)"
         else:
             return Verdict()
-        idle = [s for s in pool if s.never_granted_for(0.0 if grants else self.grace, now)]
-        if idle:
-            return Verdict(evict=min(idle, key=lambda s: s.created))
+        stalled = [s for s in pool if s.stalled_for(now) >= self.grace or (grants and not s.granted)]
+        if stalled:
+            return Verdict(evict=max(stalled, key=lambda s: s.stalled_for(now)))
         return Verdict(refusal=f"server busy: it already serves {cap}; try again later")
 
     def log_refusal(self, client: str, peer: str, why: str) -> None:

@@ -98,13 +98,13 @@ class Server(Listener):
             of them), so a reconnecting client gets them without recomputation
             (``fuelline.server.cache.memory``); 0 keeps none.
         max_clients: most sessions at once; a Hello beyond is refused (``ErrorCode.BUSY``), unless
-            a session whose client never granted credit can make room (``fuelline.server.serving.admission``).
+            a session its client has stalled can make room (``fuelline.server.serving.admission``).
         max_clients_per_peer: most sessions from one peer address (ipc clients share one);
-            None: all but an eighth of ``max_clients``.
+            None: ``(max_clients - 1) // 2``, so that no two addresses fill the server.
         max_client_heartbeat: the longest heartbeat interval a client may claim (a longer one is
             cut to it), so a silent client is dropped within 3 of them; also how long a session
-            may go without credit before it can make room for a newcomer. None: 10 heartbeats,
-            at least 30 s.
+            with no credit left may go without a grant before it can make room for a newcomer.
+            None: 10 heartbeats, at least 30 s.
         share_port: listen on ``port`` beside other serving processes of the same user, each
             handed a share of the new connections (``fuelline.server.serving.shared_port``).
     """
@@ -360,9 +360,10 @@ class Server(Listener):
             self._reply(rid, ErrorCode.BUSY, verdict.refusal)
             return
         if verdict.evict is not None:
-            idle = now - verdict.evict.created
-            self._drop(verdict.evict, f"granted no credit in {idle:.1f}s; its place went to a new client", logging.INFO)
-            self._send(verdict.evict.routing_id, encode(Bye(f"server full, and this session granted no credit in {idle:.0f}s")))
+            gone = verdict.evict
+            why = f"granted no credit in {gone.stalled_for(now):.1f}s" + (" and has none left" if gone.granted else "")
+            self._drop(gone, f"{why}; its place went to a new client", logging.INFO)
+            self._send(gone.routing_id, encode(Bye(f"server full, and this session {why}")))
         old = self.sessions.pop(rid, None)
         # A Welcome the session this Hello replaces could not send yet (its peer's queue full)
         # still goes, first: every Hello is answered. A peer that does not read cannot pile them up.

@@ -87,6 +87,7 @@ class Session:
         self.granted = self.credit > 0  # the client has made room for a batch at least once
         self.client_heartbeat = min(hello.heartbeat, max_heartbeat)
         self.created = self.last_heard = self.last_sent = time.monotonic()
+        self.last_granted = self.created  # (a Hello's credit is granted as it arrives; see stalled_for)
         self.sent_batches = 0
         # Since when the peer's send queue has been full (libzmq's SNDHWM), with items waiting
         # here to go; None while it takes what is sent.
@@ -194,6 +195,7 @@ class Session:
         Raises:
             ProtocolError: credit no honest client could grant (the session must end).
         """
+        self.last_granted = time.monotonic()
         if not self.granted:
             self._unsent_allowed = max(self._unsent_allowed, n)
             self.credit = min(n, self.hwm - self.in_flight)
@@ -235,9 +237,12 @@ class Session:
     def _decoded(self, _future: Future) -> None:
         self._wake()
 
-    def never_granted_for(self, grace: float, now: float) -> bool:
-        """Whether the client has never granted credit, for at least ``grace`` seconds."""
-        return not self.granted and now - self.created >= grace
+    def stalled_for(self, now: float) -> float:
+        """Seconds this session has waited on its client: since its last grant of credit (or its
+        Hello), where it has no credit left (its client holds every batch it asked for, or never
+        asked for any); 0 while it has credit the server has not used yet, for then it waits on
+        the server (its next batch is still being prepared), not on its client."""
+        return 0.0 if self.credit > 0 else now - self.last_granted
 
     def take_sendable(self) -> list[Outgoing]:
         """Items the loop may send now, in order, with their credit already taken."""

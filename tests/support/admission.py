@@ -6,17 +6,17 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import zmq
 
 from fuelline.client import ServerDataStream
-from fuelline.protocol import Heartbeat, decode, encode
+from fuelline.protocol import Bye, Heartbeat, Welcome, decode, encode
 
 __all__ = [
-    "REPLY_WAIT", "ROWS", "WIDE_BATCH", "WIDE_ROWS", "HonestReader", "Peer", "ThreadPeak", "start_honest",
-    "thread_count", "welcome_all",
+    "REPLY_WAIT", "ROWS", "WIDE_BATCH", "WIDE_ROWS", "HonestReader", "Peer", "ThreadPeak", "hello_until_welcomed",
+    "start_honest", "thread_count", "welcome_all",
 ]
 
 REPLY_WAIT = 10.0  # seconds a peer waits for an answer from a busy server on 2 shared cores
@@ -134,3 +134,26 @@ def welcome_all(peers: list[Peer], hello: Any) -> list[Any]:
     for i, peer in enumerate(peers):
         peer.send(hello(i))
     return [peer.answer() for peer in peers]
+
+
+def hello_until_welcomed(ctx: zmq.Context, port: int, hello: Any, meanwhile: Callable[[], None], timeout: float,
+                         source: str | None = None, leave: bool = False) -> tuple[list[Any], Peer | None]:
+    """A newcomer on a full server: ``hello`` from a fresh connection (from ``source``), again
+    until it is welcomed or ``timeout`` passes; ``meanwhile`` runs before each try (the sessions
+    holding the places heartbeat, or read and grant, so that only credit tells them apart).
+    ``leave``: a Bye follows each Hello at once, so that a welcomed newcomer leaves its place
+    free. Returns every answer, and the welcomed connection (None if none was), still open."""
+    answers: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        meanwhile()
+        peer = Peer(ctx, port, source=source)
+        peer.send(hello)
+        if leave:
+            peer.send(Bye("leaving at once"))
+        answers.append(peer.answer())
+        if isinstance(answers[-1], Welcome):
+            return answers, peer
+        peer.close()
+        time.sleep(0.05)  # pacing the retries (the deadline above bounds the wait)
+    return answers, None
