@@ -40,6 +40,7 @@ from fuelline.server.multimodal.manifest import (
     Placement,
     Recording,
 )
+from fuelline.server.sources.fingerprint import CONTENT_KEY, ContentDigest
 
 __all__ = ["convert", "assign_splits"]
 
@@ -135,6 +136,9 @@ def _stored(signals: Mapping[str, RawSignal]) -> dict[str, Signal]:
 class _Shard:
     """One shard's files, two per modality; each appended recording becomes one row group of its
     Parquet file and one record batch of its grid file (``fuelline.server.multimodal.grid``).
+    Each Parquet file's key-value metadata holds the xxh3 of the samples written into it
+    (``CONTENT_KEY``), so that its footer, which a server hashes into the sequence fingerprint,
+    changes whenever they do.
 
     Writers open lazily because video's channel count is known only once a recording is read.
     """
@@ -144,6 +148,7 @@ class _Shard:
         self.files = {m: f"{m}/part-{number:05d}.parquet" for m in MODALITIES}
         self.row_groups = 0
         self._writers: dict[str, pq.ParquetWriter] = {}
+        self._digests = {m: ContentDigest() for m in MODALITIES}
         self._grids = {m: GridWriter(os.path.join(root, grid_file(f))) for m, f in self.files.items()}
 
     def _writer(self, modality: str, channels: int) -> pq.ParquetWriter:
@@ -162,6 +167,7 @@ class _Shard:
             table = _table(signal.t, signal.x)
             # One call, one row group: a recording is never split across row groups.
             self._writer(modality, signal.x.shape[1]).write_table(table, row_group_size=table.num_rows)
+            self._digests[modality].update(signal.t, signal.x)
             self._grids[modality].append(grids[modality])
             placements[modality] = Placement(
                 file=self.files[modality], row_group=self.row_groups, rows=table.num_rows,
@@ -173,6 +179,8 @@ class _Shard:
         return placements
 
     def close(self) -> None:
+        for modality, writer in self._writers.items():
+            writer.add_key_value_metadata({CONTENT_KEY: self._digests[modality].hexdigest()})
         for writer in (*self._writers.values(), *self._grids.values()):
             writer.close()
 

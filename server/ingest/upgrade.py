@@ -126,7 +126,7 @@ def _grid_file(root: str, file: str, placed: list[tuple[Recording, str]], spans:
         modality = placed[0][1]
         write_zscored(final, os.path.join(root, zgrid_file(file)), manifest.stats[modality], modality in NEAREST)
     except BaseException:
-        writer.close()
+        writer.discard()
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise

@@ -20,7 +20,10 @@ Parquet shard, holding record batch i for the shard's row group i: one float32 c
 grid flattened, uncompressed, so that a server maps the file and slices it without decoding; and
 ``<modality>/zgrid-NNNNN.arrow``, the same grids z-scored per channel with the train split's
 statistics, which is what a server normalising with them (the default) serves: it then maps the
-windows it sends, normalised, without a pass over them.
+windows it sends, normalised, without a pass over them. Each file's schema holds the xxh3 of its
+grids (``fuelline.server.sources.fingerprint.CONTENT_KEY``; files written before it was added lack
+it, and are served all the same), so that its footer, which a server hashes into the sequence
+fingerprint at start-up, changes whenever its grids do.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import pyarrow as pa
 
 from fuelline.protocol import DataError
 from fuelline.server.multimodal.align import Signal, WindowSpec, sample_on_grid
+from fuelline.server.sources.fingerprint import CONTENT_KEY, ContentDigest
 
 __all__ = ["SCHEMA", "grid_file", "zgrid_file", "write_zscored", "grid_points", "grid_origin", "on_master_grid", "points_per_hop",
            "GridWriter", "grid_arrays", "shaped", "recording_grids", "cut_windows"]
@@ -73,7 +77,7 @@ def write_zscored(source: str, target: str, stats: Mapping[str, Sequence[float]]
         writer.close()
         os.replace(temporary, target)
     except BaseException:
-        writer.close()
+        writer.discard()
         if os.path.exists(temporary):
             os.unlink(temporary)
         raise
@@ -113,21 +117,50 @@ def points_per_hop(spec: WindowSpec, rate: float) -> int | None:
 
 
 class GridWriter:
-    """One shard's grid file of one modality: record batch i is the shard's row group i."""
+    """One shard's grid file of one modality: record batch i is the shard's row group i.
+
+    The file's schema holds the xxh3 of its grids (``CONTENT_KEY``). Arrow takes a file's schema
+    when the file is opened, and the digest is known only once the last grid is in (nor can
+    pyarrow before 21 put metadata in a file's footer alone): so the grids go to ``<path>.unsealed`` as they come, and
+    ``close`` copies them, mapped, into ``path`` under the schema that names their digest (a few
+    milliseconds for 30 MB, against the second it took to compute them) and removes that file.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._sink = pa.OSFile(path, "wb")
+        self._unsealed = f"{path}.unsealed"
+        self._digest = ContentDigest()
+        self._sink = pa.OSFile(self._unsealed, "wb")
         self._writer = pa.ipc.new_file(self._sink, SCHEMA)
 
     def append(self, grid: np.ndarray) -> None:
         flat = np.ascontiguousarray(grid, dtype="<f4").reshape(-1)
+        self._digest.update(flat)
         self._writer.write_batch(pa.record_batch([pa.array(flat, pa.float32())], schema=SCHEMA))
 
     def close(self) -> None:
+        """Write the file at ``path``, its schema naming the digest of its grids."""
+        if self._sink.closed:
+            return
+        self._writer.close()
+        self._sink.close()
+        try:
+            schema = SCHEMA.with_metadata({**SCHEMA.metadata, CONTENT_KEY.encode(): self._digest.hexdigest().encode()})
+            with pa.memory_map(self._unsealed) as mapped, pa.OSFile(self.path, "wb") as sink, \
+                    pa.ipc.new_file(sink, schema) as writer:
+                reader = pa.ipc.open_file(mapped)
+                for i in range(reader.num_record_batches):
+                    writer.write_batch(reader.get_batch(i))
+        finally:
+            os.unlink(self._unsealed)
+
+    def discard(self) -> None:
+        """Stop writing, and leave no file (``path`` is not written)."""
         if not self._sink.closed:
             self._writer.close()
             self._sink.close()
+        if os.path.exists(self._unsealed):
+            os.unlink(self._unsealed)
 
 
 def grid_arrays(source: pa.MemoryMappedFile, where: str) -> list[np.ndarray]:

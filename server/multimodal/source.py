@@ -31,9 +31,14 @@ from fuelline.server.sources.block_reader import ROWS
 from fuelline.server.sources.blocks import UnitSource
 from fuelline.server.sources.fingerprint import (
     callable_name,
+    content_part,
     digest,
     files_part,
+    grid_footers_part,
+    open_for_footer,
+    read_parquet_footer,
     skipped_summary,
+    stage_code_part,
     text_part,
     unit_parts,
 )
@@ -117,6 +122,7 @@ class WindowSource(UnitSource):
         self.root = path
         self.store = Store(path, cache_dir=options.cache_dir, cache_mb=options.cache_mb, counters=self.counters)
         self._footers: dict[str, Any] = {}
+        self._footer_digests: dict[str, str] = {}  # per shard: the xxh3 of its footer, for the fingerprint
         self.manifest = Manifest.load(self.store)
         self.normalize = normalize
         self.modalities = [m for m in MODALITIES if m in self.manifest.modalities]
@@ -134,6 +140,7 @@ class WindowSource(UnitSource):
         self._grid_files: OrderedDict[str, Any] = OrderedDict()  # grid files, mapped once
         self._grid_lock = threading.Lock()
         self.stage_names = [callable_name(s) for s in stages]  # as --stage names them, for the fingerprint
+        self.stage_code = stage_code_part(stages)  # and what they compute
         self.user_stages = tuple(self.stage_names)  # (a serving loop has them run on its stage pool)
         self._base = self._base_columns()
         self._splits = {name: self._scan(name) for name in self.manifest.splits}
@@ -162,11 +169,10 @@ class WindowSource(UnitSource):
             # so the read-ahead threads need no lock.
             meta = self._footers.get(path)
             if meta is None:
-                if self.store.remote:
-                    with self.store.open(p.file) as handle:
-                        meta = self._footers.setdefault(path, pq.read_metadata(handle))
-                else:
-                    meta = self._footers.setdefault(path, pq.read_metadata(path))
+                with open_for_footer(self.store, p.file) as handle:  # the footer alone, by range where remote
+                    meta, footer = read_parquet_footer(handle)
+                self._footer_digests.setdefault(path, footer)
+                meta = self._footers.setdefault(path, meta)
             if not self.store.remote:
                 source = pa.memory_map(path)
             else:
@@ -374,26 +380,34 @@ class WindowSource(UnitSource):
 
     def fingerprint(self, split: str) -> dict[str, str]:
         """What decides the sequence of a split (see ``fuelline.server.sources.fingerprint``): the
-        manifest's content and format, the split's shards (relative names, sizes) and recordings,
-        the windowing, normalisation and stages, seed, batch size and shuffle."""
+        manifest's content and format, the split's shards (relative names, sizes, footers), the
+        footers of the grid files its windows are cut from, its recordings, the windowing,
+        normalisation and stages (names and code), seed, batch size and shuffle."""
         return dict(self._fingerprints[split])
 
     def _fingerprint(self, split: str) -> dict[str, str]:
         recordings = [rec for _, rec in self._splits[split].recordings]
         shards = sorted({rec.modalities[m].file for rec in recordings for m in self.modalities})
+        grids = sorted({p.zgrid_file if self.normalize == "zscore" else p.grid_file  # (the ones windows are cut from)
+                        for rec in recordings for m, p in rec.modalities.items() if self.steps.get(m) is not None})
         return {
             "kind": "multimodal-windows",
             "split": split,
             "format": self.manifest.format,
             # The manifest as parsed, in a canonical form: how its file is laid out orders nothing.
             "manifest": "#" + digest([self.manifest.to_json()]),
-            "shards": files_part([self.store.stat(f) for f in shards], mtimes=False),
+            "shards": files_part([self.store.stat(f) for f in shards]),
+            # What the shards and grids hold, from their footers: those of the shards were read by
+            # the scan, those of the grids are read here (their ends, never their grids).
+            "footers": content_part([self._footer_digests[self.store.where(f)] for f in shards]),
+            "grids": grid_footers_part(self.store, grids),
             "recordings": f"{len(recordings)} #{digest(rec.id for rec in recordings)}",
             "window": repr(float(self.spec.length)),
             "hop": repr(float(self.spec.hop)),
             "max_gap": str(self.spec.max_gap),
             "normalize": self.normalize,
             "stages": text_part(",".join(self.stage_names)),
+            "stage_code": self.stage_code,
             **unit_parts(self.batch_size, self.seed, self.shuffle, self.shuffle_block),
         }
 

@@ -19,9 +19,16 @@ from fuelline.protocol import DataError
 from fuelline.server.sources.block_reader import BlockReader
 from fuelline.server.sources.blocks import UnitSource
 from fuelline.server.sources.columns import ColumnSpec, column_spec, to_numpy
-from fuelline.server.sources.fingerprint import files_part, skipped_summary, unit_parts
+from fuelline.server.sources.fingerprint import (
+    content_part,
+    files_part,
+    open_for_footer,
+    read_parquet_footer,
+    skipped_summary,
+    unit_parts,
+)
 from fuelline.server.sources.options import SourceOptions
-from fuelline.server.sources.storage import Store, storage_info
+from fuelline.server.sources.storage import FileStat, Store, storage_info
 
 __all__ = ["ParquetSource", "find_splits"]
 
@@ -81,6 +88,8 @@ class _ParquetSplit:
     disk_bytes: int
     max_unit_bytes: int  # uncompressed bytes of the largest row group
     metadata: list  # per file: its parsed footer, so opening it again parses nothing
+    footers: list[str]  # per file: the xxh3 of its footer as stored, for the fingerprint
+    sizes: list[FileStat]  # per file: its size when its footer was read
 
 
 class ParquetSource(UnitSource):
@@ -120,7 +129,8 @@ class ParquetSource(UnitSource):
 
     # -- scanning ----------------------------------------------------------------------------
     def _scan(self, split: str, rels: list[str]) -> _ParquetSplit:
-        unit_file, unit_group, unit_rows, unit_bytes, metadata = [], [], [], [], []
+        unit_file, unit_group, unit_rows, unit_bytes, metadata, footers = [], [], [], [], [], []
+        sizes: list[FileStat] = []
         disk = 0
         kept: list[str] = []
         kept_rels: list[str] = []
@@ -128,11 +138,9 @@ class ParquetSource(UnitSource):
             f = self.store.where(rel)
             try:
                 try:
-                    if self.store.remote:
-                        with self.store.open(rel) as handle:  # the footer alone, by range
-                            meta = pq.read_metadata(handle)
-                    else:
-                        meta = pq.read_metadata(f)
+                    with open_for_footer(self.store, rel) as handle:  # the footer alone, by range where remote
+                        meta, footer = read_parquet_footer(handle)
+                        size = handle.size()
                     schema = meta.schema.to_arrow_schema()
                 except Exception as exc:
                     raise DataError(f"shard {f}: not a readable Parquet file ({exc})") from None
@@ -147,7 +155,9 @@ class ParquetSource(UnitSource):
             kept.append(f)
             kept_rels.append(rel)
             metadata.append(meta)
-            disk += self.store.stat(rel).size
+            footers.append(footer)
+            sizes.append(FileStat(rel, size, None))
+            disk += size
             for g in range(meta.num_row_groups):
                 rg = meta.row_group(g)
                 if rg.num_rows:
@@ -170,6 +180,8 @@ class ParquetSource(UnitSource):
             disk_bytes=disk,
             max_unit_bytes=max(unit_bytes),
             metadata=metadata,
+            footers=footers,
+            sizes=sizes,
         )
 
     def _check_schema(self, file: str, schema: Any) -> None:
@@ -218,14 +230,16 @@ class ParquetSource(UnitSource):
 
     def fingerprint(self, split: str) -> dict[str, str]:
         """What decides the sequence of a split (see ``fuelline.server.sources.fingerprint``): its files
-        (relative names, sizes, mtimes), seed, batch size and shuffle."""
+        (relative names and sizes) and their footers, seed, batch size and shuffle."""
         return dict(self._fingerprints[split])
 
     def _fingerprint(self, sp: _ParquetSplit) -> dict[str, str]:
         return {
             "kind": "parquet",
             "split": sp.name,
-            "files": files_part([self.store.stat(rel) for rel in sp.rels], mtimes=True),
+            "files": files_part(sp.sizes),
+            # What they hold, from the footers read at start-up: no second read of any file.
+            "footers": content_part(sp.footers),
             **unit_parts(self.batch_size, self.seed, self.shuffle, self.shuffle_block),
         }
 

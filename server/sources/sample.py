@@ -2,7 +2,9 @@
 
 Columns: ``sample_id`` int64 (unique), ``features`` fixed_size_list<float32>[dim] whose value j is
 ``sample_id + j / 1000`` (so a reader can check every value it receives), ``label`` int64 and
-``weight`` float32. Split folders ``train/`` and ``val/``, several files of several row groups.
+``weight`` float32. Split folders ``train/`` and ``val/``, several files of several row groups;
+each file's key-value metadata holds the xxh3 of its columns
+(``fuelline.server.sources.fingerprint.CONTENT_KEY``), as every file fuelline writes does.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fuelline.protocol.common.atomic import atomic_directory
+from fuelline.server.sources.fingerprint import CONTENT_KEY, ContentDigest
 
 __all__ = ["write_sample_dataset", "expected_features"]
 
@@ -47,14 +50,17 @@ def write_sample_dataset(
             for i, part in enumerate(np.array_split(ids, files)):
                 if not len(part):
                     continue
-                feats = expected_features(part, dim)
+                columns = {
+                    "sample_id": part.astype(np.int64),
+                    "features": expected_features(part, dim),
+                    "label": rng.integers(0, classes, len(part)).astype(np.int64),
+                    "weight": rng.random(len(part)).astype(np.float32),
+                }
+                content = ContentDigest()
+                content.update(*columns.values())
                 table = pa.table(
-                    {
-                        "sample_id": pa.array(part.astype(np.int64)),
-                        "features": pa.FixedSizeListArray.from_arrays(pa.array(feats.reshape(-1)), dim),
-                        "label": pa.array(rng.integers(0, classes, len(part)).astype(np.int64)),
-                        "weight": pa.array(rng.random(len(part)).astype(np.float32)),
-                    }
-                )
+                    {k: pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), dim) if v.ndim == 2 else pa.array(v)
+                     for k, v in columns.items()}
+                ).replace_schema_metadata({CONTENT_KEY: content.hexdigest()})
                 pq.write_table(table, os.path.join(tmp, split, f"part-{i:05d}.parquet"), row_group_size=row_group_rows)
     return {k: len(v) for k, v in splits.items()}
