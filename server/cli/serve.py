@@ -94,18 +94,20 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                          help="most megabytes of shards kept in --cache-dir; the least recently used go first")
     storage.add_argument("--prefetch", type=non_negative_int, default=1, metavar="BLOCKS",
                          help="blocks ahead of the one being read whose shards are fetched in the background")
+    stages = serve.add_argument_group("preprocessing (any dataset)")
+    stages.add_argument("--stage", action="append", default=[], metavar="MODULE:FUNCTION",
+                        help="a preprocessing stage, f(batch) -> batch, run on every batch (repeatable, in order) "
+                             "on threads of its own: the serving loop answers and sends meanwhile, however long "
+                             "it takes; MODULE must be importable (on PYTHONPATH)")
+    stages.add_argument("--stage-threads", type=non_negative_int, default=0, metavar="N",
+                        help="threads that run the stages, each one client's batch at a time, so a client whose "
+                             "batches are slow holds one thread; 0: as many as the cores, at least 4")
     multimodal = serve.add_argument_group("converted multimodal datasets (fuelline convert)")
     multimodal.add_argument("--window", type=float, default=2.0, help="window length in seconds")
     multimodal.add_argument("--hop", type=float, default=1.0, help="seconds between window starts")
     multimodal.add_argument("--max-gap", type=int, default=2, help="most missing samples in a row in a valid window")
     multimodal.add_argument("--normalize", choices=["zscore", "none"], default="zscore",
                             help="per-channel z-score with the train split's statistics, or none")
-    multimodal.add_argument("--stage", action="append", default=[], metavar="MODULE:FUNCTION",
-                            help="a preprocessing stage run on every batch (repeatable, in order), on threads of its "
-                                 "own: the serving loop answers and sends meanwhile, however long it takes")
-    multimodal.add_argument("--stage-threads", type=non_negative_int, default=0, metavar="N",
-                            help="threads that run the stages, each one client's batch at a time, so a client whose "
-                                 "batches are slow holds one thread; 0: as many as the cores, at least 4")
     serve.set_defaults(func=run)
 
 
@@ -127,19 +129,18 @@ def _open_source(args: argparse.Namespace):
     from fuelline.server.multimodal.manifest import is_converted_dataset
     from fuelline.server.sources.parquet import ParquetSource
 
+    from fuelline.server.multimodal.stages import load_stage
+
     options = source_options(args)
+    stages = [load_stage(spec) for spec in args.stage]
     if is_converted_dataset(args.dataset):
         from fuelline.server.multimodal.source import WindowSource
-        from fuelline.server.multimodal.stages import load_stage
 
-        stages = [load_stage(spec) for spec in args.stage]
         return WindowSource(
             args.dataset, window=args.window, hop=args.hop, max_gap=args.max_gap, normalize=args.normalize,
             stages=stages, options=options,
         )
-    if args.stage:
-        raise DataError("--stage applies to converted multimodal datasets (a manifest.json at DATASET)")
-    return ParquetSource(args.dataset, options)
+    return ParquetSource(args.dataset, options, stages=stages)
 
 
 def _describe(info: dict) -> str:

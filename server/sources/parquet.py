@@ -4,13 +4,20 @@ Layout of a dataset directory: either Parquet files directly inside it (one spli
 one subdirectory per split (``train/``, ``val/``...) holding Parquet files. Numeric and
 fixed-size-list columns become sources (see ``fuelline.server.sources.columns``). A unit of reading is one
 row group; the order of an epoch is ``fuelline.server.sources.ordering.epoch_order``.
+
+With ``stages`` (``fuelline serve DATASET --stage mod:fn``), every batch goes through the user's
+preprocessing stages (``fuelline.server.multimodal.stages``: ``f(batch) -> batch``, in order) on
+the stage pool, never on the serving loop: they get every servable column, and what they return
+is what is served. What that is (names, dtypes, shapes) is learnt at start-up from the stages run
+once on two rows; a later batch whose arrays differ in name or shape is an error that names the
+stages, and one whose dtypes differ is cast to the learnt ones.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -20,11 +27,14 @@ from fuelline.server.sources.block_reader import BlockReader
 from fuelline.server.sources.blocks import UnitSource
 from fuelline.server.sources.columns import ColumnSpec, column_spec, to_numpy
 from fuelline.server.sources.fingerprint import (
+    callable_name,
     content_part,
     files_part,
     open_for_footer,
     read_parquet_footer,
     skipped_summary,
+    stage_code_part,
+    text_part,
     unit_parts,
 )
 from fuelline.server.sources.options import SourceOptions
@@ -102,15 +112,23 @@ class ParquetSource(UnitSource):
             shuffle block, workers, caches...); the last batch of an epoch may be shorter, and
             ``shuffle_block`` row groups are mixed together (bounding memory per client to
             ``3 × shuffle_block`` decoded row groups and a few batches: ``memory_per_client``).
+        stages: the user's preprocessing stages, ``f(batch) -> batch`` each, run in order on every
+            batch (see this module's docstring); they may replace, add or drop arrays.
         **overrides: any of those options by name (``ParquetSource(path, batch_size=32)``).
 
     Raises:
         OptionError: an option out of range, naming it.
         TypeError: an override that is not an option.
-        DataError: the path holds no Parquet, files disagree on a column's type, a split is empty.
+        DataError: the path holds no Parquet, files disagree on a column's type, a split is empty,
+            or the stages fail (or return what cannot be served) on the first rows.
     """
 
-    def __init__(self, path: str, options: SourceOptions | None = None, **overrides: Any) -> None:
+    # The stages run in the serving process only: worker processes decode row groups.
+    _serving_only = ("pipeline",)
+
+    def __init__(self, path: str, options: SourceOptions | None = None, *,
+                 stages: Sequence[Callable[[dict[str, np.ndarray]], Mapping[str, Any]]] = (),
+                 **overrides: Any) -> None:
         options = SourceOptions.of(options, **overrides)
         super().__init__(options)
         self.path = path
@@ -124,6 +142,16 @@ class ParquetSource(UnitSource):
             )
         for reason in self.unservable.values():
             log.warning("not serving %s", reason)
+        self._read = dict(self._columns)  # what is decoded from the files
+        self.stage_names = [callable_name(s) for s in stages]  # as --stage names them, for the fingerprint
+        self.stage_code = stage_code_part(stages)  # and what they compute
+        self.user_stages = tuple(self.stage_names)  # (a serving loop has them run on its stage pool)
+        self.pipeline = None
+        if stages:
+            from fuelline.server.multimodal.stages import Pipeline
+
+            self.pipeline = Pipeline(stages)
+            self._columns = self._probe()
         # Taken from the files as scanned: what this server's positions mean from now on.
         self._fingerprints = {name: self._fingerprint(sp) for name, sp in self._splits.items()}
 
@@ -206,6 +234,46 @@ class ParquetSource(UnitSource):
         if missing:
             raise DataError(f"shard {file}: lacks column(s) {missing} that earlier shards have")
 
+    # -- stages ------------------------------------------------------------------------------
+    def _probe(self) -> dict[str, ColumnSpec]:
+        """What the stages serve: run them once on the first two rows of the first row group."""
+        assert self.pipeline is not None
+        sp = next(sp for sp in self._splits.values() if sp.rows)
+        u = int(np.flatnonzero(sp.unit_rows)[0])
+        rows = {k: v[:2] for k, v in self.decode_unit(sp.name, u, list(self._read.values())).items()}
+        out = self.pipeline(rows)
+        specs = {}
+        for name, value in out.items():
+            arr = np.asarray(value)
+            if arr.ndim == 0 or len(arr) != 2 or arr.dtype.hasobject or arr.dtype.kind not in "biuf":
+                raise DataError(f"stages {', '.join(self.stage_names)}: {name!r} of the first two rows of "
+                                f"{self.describe_unit(sp.name, u)} is {arr.dtype} of shape {arr.shape}, not one "
+                                f"number or fixed-shape array per row")
+            specs[name] = ColumnSpec(name, arr.dtype.str, tuple(arr.shape[1:]), "stage output")
+        if not specs:
+            raise DataError(f"stages {', '.join(self.stage_names)} returned no arrays")
+        return specs
+
+    def _stages_made(self, pool: Any) -> None:
+        if self.pipeline is not None:
+            self.pipeline.observer = pool  # (the time each stage takes, and which one a batch is in)
+
+    def finish_batch(self, split: str, batch: dict[str, np.ndarray], sources: tuple[str, ...]) -> dict[str, np.ndarray]:
+        if self.pipeline is None:
+            return batch
+        rows = len(next(iter(batch.values())))
+        out = self.pipeline(batch)
+        served = {}
+        for name in sources:
+            spec = self._columns[name]
+            arr = np.asarray(out[name]) if name in out else None
+            if arr is None or arr.shape != (rows, *spec.shape):
+                what = "no such array" if arr is None else f"shape {arr.shape}"
+                raise DataError(f"stages {', '.join(self.stage_names)} returned {name!r} with {what} for a batch "
+                                f"of {rows} rows of split {split!r}; they served {(rows, *spec.shape)} at start-up")
+            served[name] = arr.astype(spec.dtype, copy=False)
+        return served
+
     # -- BatchSource -------------------------------------------------------------------------
     def why_not_servable(self, name: str) -> str | None:
         return self.unservable.get(name)
@@ -224,13 +292,15 @@ class ParquetSource(UnitSource):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_block": self.shuffle_block,
+            **({"stages": list(self.stage_names)} if self.stage_names else {}),
             **skipped_summary(self.skipped, split, "skipped_shards"),
             "storage": storage_info(self.store),
         }
 
     def fingerprint(self, split: str) -> dict[str, str]:
         """What decides the sequence of a split (see ``fuelline.server.sources.fingerprint``): its files
-        (relative names and sizes) and their footers, seed, batch size and shuffle."""
+        (relative names and sizes) and their footers, the stages (names and code), seed, batch
+        size and shuffle."""
         return dict(self._fingerprints[split])
 
     def _fingerprint(self, sp: _ParquetSplit) -> dict[str, str]:
@@ -240,6 +310,8 @@ class ParquetSource(UnitSource):
             "files": files_part(sp.sizes),
             # What they hold, from the footers read at start-up: no second read of any file.
             "footers": content_part(sp.footers),
+            "stages": text_part(",".join(self.stage_names)),
+            "stage_code": self.stage_code,
             **unit_parts(self.batch_size, self.seed, self.shuffle, self.shuffle_block),
         }
 
@@ -257,6 +329,8 @@ class ParquetSource(UnitSource):
         return self._splits[split].unit_rows
 
     def column_specs(self, sources: tuple[str, ...]) -> list[ColumnSpec]:
+        if self.pipeline is not None:
+            return list(self._read.values())  # stages may need any of them, whatever the client asked for
         return [self._columns[n] for n in sources]
 
     def describe_unit(self, split: str, u: int) -> str:
