@@ -127,9 +127,8 @@ def source_options(args: argparse.Namespace) -> SourceOptions:
 
 def _open_source(args: argparse.Namespace):
     from fuelline.server.multimodal.manifest import is_converted_dataset
-    from fuelline.server.sources.parquet import ParquetSource
-
     from fuelline.server.multimodal.stages import load_stage
+    from fuelline.server.sources.parquet import ParquetSource
 
     options = source_options(args)
     stages = [load_stage(spec) for spec in args.stage]
