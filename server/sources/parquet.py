@@ -127,7 +127,7 @@ class ParquetSource(UnitSource):
     _serving_only = ("pipeline",)
 
     def __init__(self, path: str, options: SourceOptions | None = None, *,
-                 stages: Sequence[Callable[[dict[str, np.ndarray]], Mapping[str, Any]]] = (),
+                 stages: Sequence[Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]] = (),
                  **overrides: Any) -> None:
         options = SourceOptions.of(options, **overrides)
         super().__init__(options)
