@@ -2,8 +2,10 @@
 
 DESIGN.md promises, under Semantics: exactly-once delivery across a server's kill -9 and restart
 and across resumes from ``state_dict`` at any point and on any world size; a restart with other
-options raised as an error, never served silently; a server's memory and threads bounded
-whatever peers send; honest clients complete. Each seed below draws a schedule of those faults and
+options, or with a shard's content swapped under the same name, size and mtime, raised as an
+error, never served silently; a server's memory and threads bounded whatever peers send; a user
+stage of seconds a batch slows only its own batches, and one that hangs does not keep SIGTERM
+from ending the server; honest clients complete. Each seed below draws a schedule of those faults and
 the run checks all of it at once; a failure prints the seed and the schedule, and
 ``cd tests && python -m support.fault_schedule --seed N --steps 6`` replays it. The proxy the faults go through
 is tested on its own first, so that a schedule's failure is the system's and not the harness's.
@@ -23,14 +25,16 @@ from support.processes import wait_until
 from support.tcp_proxy import TcpProxy
 
 # Fault kinds the schedules draw from. All are on: kill, other-options, pause, cut, delay, stall,
-# silent-peers, hostile-peers, resume, resume-resized, resume-epoch-end (see fault_schedule.py).
+# silent-peers, hostile-peers, resume, resume-resized, resume-epoch-end, slow-stage, hanging-stage,
+# shard-swap (see fault_schedule.py).
 KINDS_ON = KINDS
 STEPS = 6
-# Fixed seeds whose schedules together draw every kind that is on (checked below): 24 cuts the
-# connections in mid-transfer early in epoch 0, 26 holds 68 silent peers beside its readers, 22
-# restarts the server with another batch size, and 57 runs worker processes, so its kill checks
-# that they die with the server.
-SEEDS = (22, 24, 26, 57)
+# Fixed seeds whose schedules together draw every kind that is on (checked below): 0 hangs the
+# stage and SIGTERMs the server mid-epoch, then swaps a shard before a restart; 1 hangs it just
+# as the next fault is due; 6 kills the server twice between resumes on other world sizes; 50
+# runs worker processes and slows train and val batches to 1.4 s (a val reader beside them),
+# then restarts with another batch size.
+SEEDS = (0, 1, 6, 50)
 WAIT = 5.0  # seconds any socket operation in the proxy tests may take
 
 
@@ -41,6 +45,8 @@ def test_the_seeds_draw_every_kind_that_is_on() -> None:
         drawn |= {f.kind for f in schedule.faults} | {s.kind for s in schedule.stops}
     assert drawn == set(KINDS_ON), f"no seed draws {sorted(set(KINDS_ON) - drawn)}"
     assert any(make_schedule(seed, STEPS, KINDS_ON).options.workers for seed in SEEDS)
+    assert any(f.kind == "slow-stage" and "val" in f.change[1] for seed in SEEDS
+               for f in make_schedule(seed, STEPS, KINDS_ON).faults), "no seed slows the val split"
 
 
 def test_a_schedule_is_a_function_of_its_seed() -> None:

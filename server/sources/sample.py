@@ -35,8 +35,12 @@ def write_sample_dataset(
     val_fraction: float = 0.2,
     classes: int = 6,
     seed: int = 0,
+    plain: bool = False,
 ) -> dict[str, int]:
-    """Write the sample dataset to ``out`` (atomically) and return rows per split."""
+    """Write the sample dataset to ``out`` (atomically) and return rows per split.
+
+    ``plain``: uncompressed, plain-encoded columns (no dictionary), so that files of as many rows
+    have the same size whatever they hold, as regenerated fixed-width shards do."""
     if rows < 2 or files < 1 or dim < 1 or row_group_rows < 1:
         raise ValueError("rows >= 2, files >= 1, dim >= 1 and row_group_rows >= 1 are required")
     if os.path.exists(out):
@@ -62,5 +66,7 @@ def write_sample_dataset(
                     {k: pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), dim) if v.ndim == 2 else pa.array(v)
                      for k, v in columns.items()}
                 ).replace_schema_metadata({CONTENT_KEY: content.hexdigest()})
-                pq.write_table(table, os.path.join(tmp, split, f"part-{i:05d}.parquet"), row_group_size=row_group_rows)
+                encoding = {"compression": "none", "use_dictionary": False} if plain else {}
+                pq.write_table(table, os.path.join(tmp, split, f"part-{i:05d}.parquet"), row_group_size=row_group_rows,
+                               **encoding)
     return {k: len(v) for k, v in splits.items()}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -23,8 +23,14 @@ from fuelline.protocol import FingerprintMismatch
 from fuelline.server.sources.ordering import epoch_order, rank_rows, remaining_order, rows_per_rank
 
 KINDS = ("kill", "other-options", "pause", "cut", "delay", "stall", "silent-peers", "hostile-peers",
-         "resume", "resume-resized", "resume-epoch-end")
+         "resume", "resume-resized", "resume-epoch-end", "slow-stage", "hanging-stage", "shard-swap")
 CLIENT_KINDS = ("resume", "resume-resized", "resume-epoch-end")
+# Faults after which the server serves another sequence: readers may raise FingerprintMismatch,
+# and nothing is due after them (one per schedule, last).
+TERMINAL_KINDS = ("other-options", "shard-swap")
+STAGE_KINDS = ("slow-stage", "hanging-stage")  # the server runs the harness's stage (fault_stage.py)
+STAGE = "support.fault_stage:stage"
+STAGE_SPLITS = ("train", "val", "train,val")  # the splits a slow stage slows
 RSS_BOUND_MB = 300.0  # growth allowed over the server's RSS at readiness
 THREAD_BOUND = 40  # growth allowed over its thread count at readiness
 
@@ -48,6 +54,8 @@ class Options:
     timeout: float = 20.0  # the clients' timeout and receive_timeout
     heartbeat: float = 0.2  # the clients'
     server_heartbeat: float = 0.3
+    stage: bool = False  # serve through the harness's stage (drawn with a stage kind)
+    plain: bool = False  # shards of as many rows have the same size (drawn with shard-swap)
 
     @property
     def train_rows(self) -> int:
@@ -57,7 +65,7 @@ class Options:
         return [sys.executable, "-m", "fuelline.server.cli", "serve", str(dataset), "--port", str(port),
                 "--batch-size", str(self.batch_size), "--seed", str(self.seed), "--hwm", str(self.hwm),
                 "--heartbeat", str(self.server_heartbeat), "--shuffle-block", str(self.shuffle_block),
-                "--workers", str(self.workers), "--status-interval", "0"]
+                "--workers", str(self.workers), "--status-interval", "0", *(["--stage", STAGE] if self.stage else [])]
 
 
 @dataclass(frozen=True)
@@ -67,14 +75,17 @@ class Fault:
     kind: str
     at: int
     wait: float
-    length: float = 0.0  # seconds it lasts: downtime, pause, stall, delay, peers held
-    count: int = 0  # peers, or the delay in milliseconds
-    change: tuple[str, str] = ("", "")  # other-options: the option and its new value
+    length: float = 0.0  # seconds it lasts: downtime, pause, stall, delay, peers held, stage slow
+    count: int = 0  # peers, or the delay in milliseconds (of each chunk, or of each batch in a slow stage)
+    change: tuple[str, str] = ("", "")  # other-options: the option and its new value; slow-stage: ("splits", ...)
 
     def __str__(self) -> str:
-        what = {"kill": f" down {self.length:.2f}s", "delay": f" {self.count} ms", "other-options": " %s %s" % self.change,
+        what = {"kill": f" down {self.length:.2f}s", "shard-swap": f" down {self.length:.2f}s",
+                "delay": f" {self.count} ms", "other-options": " %s %s" % self.change,
+                "slow-stage": f" {self.count} ms a batch of {self.change[1]}",
                 "silent-peers": f" {self.count}", "hostile-peers": f" {self.count}"}.get(self.kind, "")
-        lasting = f" for {self.length:.2f}s" if self.kind in ("pause", "stall", "delay") or "peers" in self.kind else ""
+        lasting = (f" for {self.length:.2f}s" if self.kind in ("pause", "stall", "delay", "slow-stage") or "peers" in self.kind
+                   else "")
         return f"{self.kind}{what}{lasting} at batch {self.at} (+{self.wait:.2f}s)"
 
 
@@ -106,7 +117,7 @@ class Schedule:
     def describe(self) -> str:
         o = self.options
         head = (f"seed {self.seed}: world {o.world}, {o.epochs} epochs, batch size {o.batch_size}, --seed {o.seed}, "
-                f"--workers {o.workers} (replay: cd tests && python -m support.fault_schedule --seed {self.seed} --steps {self.steps}"
+                f"--workers {o.workers}{' --stage ' + STAGE if o.stage else ''}{', plain shards' if o.plain else ''} (replay: cd tests && python -m support.fault_schedule --seed {self.seed} --steps {self.steps}"
                 f"{'' if self.kinds == KINDS else ' --kinds ' + ','.join(self.kinds)})")
         return "\n".join([head, *(f"  {x}" for x in (*self.stops, *self.faults))])
 
@@ -162,17 +173,27 @@ def make_schedule(seed: int, steps: int = 6, kinds: tuple[str, ...] = KINDS) -> 
         if new_world != world:
             history, cursor, world = history + ((world, cursor),), 0, new_world
     total = sum(len(b) for *_, b in walk(opts, tuple(stops), lambda e: np.arange(opts.train_rows))[0])
-    others = sorted((k for k in picked if k not in CLIENT_KINDS), key=lambda k: k == "other-options")
+    # One terminal fault at most, last (a second one drawn is a kill: nothing would follow the first).
+    others = [k for k in picked if k not in CLIENT_KINDS]
+    terminal = [k for k in others if k in TERMINAL_KINDS]
+    others = [k for k in others if k not in TERMINAL_KINDS] + ["kill"] * (len(terminal) - 1) + terminal[:1]
     faults = []
     for kind, f in zip(others, sorted(rng.uniform(0.05, 0.8) for _ in others)):
         length = {"kill": rng.uniform(0.0, 1.0), "pause": rng.uniform(0.3, 2.5), "stall": rng.uniform(0.3, 2.5),
                   "delay": rng.uniform(0.5, 2.0), "silent-peers": rng.uniform(1.0, 3.0),
-                  "hostile-peers": rng.uniform(1.0, 2.0)}.get(kind, 0.0)
+                  "hostile-peers": rng.uniform(1.0, 2.0), "slow-stage": rng.uniform(1.0, 4.0),
+                  "shard-swap": rng.uniform(0.0, 1.0)}.get(kind, 0.0)
+        # A slow stage's batch takes 1 to 5 of the server's heartbeats (0.3 s): its clients must hear them.
         count = {"delay": rng.randint(20, 200), "silent-peers": rng.randint(30, 80),
-                 "hostile-peers": rng.randint(3, 10)}.get(kind, 0)
-        change = rng.choice([("--seed", str(opts.seed + 1 + rng.randrange(100))),
-                             ("--batch-size", str(opts.batch_size + 8))]) if kind == "other-options" else ("", "")
+                 "hostile-peers": rng.randint(3, 10), "slow-stage": rng.randint(300, 1500)}.get(kind, 0)
+        change = ("", "")
+        if kind == "other-options":
+            change = rng.choice([("--seed", str(opts.seed + 1 + rng.randrange(100))),
+                                 ("--batch-size", str(opts.batch_size + 8))])
+        elif kind == "slow-stage":
+            change = ("splits", rng.choice(STAGE_SPLITS))
         faults.append(Fault(kind, int(f * total), rng.uniform(0.0, 0.3), length, count, change))
+    opts = replace(opts, stage=any(k in STAGE_KINDS for k in others), plain="shard-swap" in others)
     return Schedule(seed, opts, tuple(faults), tuple(stops), steps, tuple(kinds))
 
 

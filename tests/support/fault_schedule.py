@@ -13,6 +13,17 @@ a replay meets the same progress), after a random wait that is part of the sched
   or forwards nothing for a while;
 * ``silent-peers``: raw DEALERs that send a Hello (credit 0, heartbeat 3600 s) and nothing more;
 * ``hostile-peers``: DEALERs that lie about credit (``Credit(2**30)`` again and again) and send garbage;
+* ``slow-stage``: the server's user stage (``fault_stage.py``; served with ``--stage`` only when a
+  stage kind is drawn) takes 0.3–1.5 s a batch, 1 to 5 server heartbeats, for a few seconds, on
+  the train split, the val split or both; where val is slowed, a val reader reads an epoch of it
+  meanwhile, and must get it whole, each id once;
+* ``hanging-stage``: the stage hangs every batch; then SIGTERM, which must end the server with
+  exit status 0 within its stop deadline, naming the stage it abandoned, and a restart with the
+  same options;
+* ``shard-swap``: kill -9, one train shard's bytes replaced by another's of the same size with
+  its modification time kept (``cp`` then ``touch -r``), and a restart with the same options:
+  readers must raise ``FingerprintMismatch`` naming the footers (the shard is put back before the
+  check; like ``other-options``, it is last);
 * ``resume`` / ``resume-resized`` / ``resume-epoch-end``: every rank stops after the same batch,
   as a torchrun job would, saves its ``state_dict`` and closes; new readers go on from there, on
   the same world size (each from its own state) or another (each from rank 0's).
@@ -34,6 +45,7 @@ from __future__ import annotations
 import argparse
 import glob
 import logging
+import os
 import random
 import shutil
 import signal
@@ -48,13 +60,16 @@ import numpy as np
 import zmq
 
 from fuelline.client import ServerDataStream
-from fuelline.protocol import Credit, Hello, encode
+from fuelline.protocol import Credit, FingerprintMismatch, Hello, encode
+from fuelline.server.serving.start import STOP_DEADLINE
 from fuelline.server.sources.sample import expected_features, write_sample_dataset
 
 from support.fault_plan import (
     CLIENT_KINDS,
     KINDS,
     RSS_BOUND_MB,
+    STAGE,
+    TERMINAL_KINDS,
     THREAD_BOUND,
     Fault,
     Options,
@@ -64,8 +79,12 @@ from support.fault_plan import (
     make_schedule,
     walk,
 )
+from support.fault_stage import set_control
 from support.processes import ServerProcess, wait_until
 from support.tcp_proxy import TcpProxy
+
+TESTS = Path(__file__).resolve().parents[1]  # on the server's PYTHONPATH, for its stage
+STOP_GRACE = 2.0  # seconds beyond the server's stop deadline that a SIGTERM may take
 
 # The plan's names stay importable from here, where the harness began.
 __all__ = ["CLIENT_KINDS", "KINDS", "RSS_BOUND_MB", "THREAD_BOUND", "Fault", "Options", "Outcome", "Run", "Schedule",
@@ -150,13 +169,21 @@ class Run:
         self.background: list[threading.Thread] = []  # peers, while they are held
         self.ctx = zmq.Context()
         self.proxy: TcpProxy | None = None
+        self.control = str(workdir / "stage-control.json")  # steers the server's stage (fault_stage.py)
+        self.env = {**os.environ, "FAULT_STAGE_CONTROL": self.control, "FAULT_STAGE_VAL_FROM": str(self.o.train_rows),
+                    "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)}
+        self.val_readers: list[tuple[threading.Thread, list[np.ndarray], list[tuple[float, BaseException]]]] = []
+        self.swapped: tuple[Path, bytes, int, int] | None = None  # a shard swapped: its path, bytes and times
+        self.swap_fired = False
+        self.hanging = False  # readers read on past the next fault's batch until one hangs in the stage
 
     def _left(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
 
     def _on_schedule(self) -> bool:
         faults = self.s.faults
-        return self.abort.is_set() or self.started == len(faults) or self.progress < faults[self.started].at
+        return (self.abort.is_set() or self.hanging or self.started == len(faults)
+                or self.progress < faults[self.started].at)
 
     def _stop(self) -> None:
         with self.cond:
@@ -164,7 +191,7 @@ class Run:
             self.cond.notify_all()
 
     def _start(self, args: list[str]) -> ServerProcess:
-        server = ServerProcess(args, self.dir / f"server-{len(self.servers)}.log")
+        server = ServerProcess(args, self.dir / f"server-{len(self.servers)}.log", env=self.env)
         rss, threads = proc_status(server.proc.pid)
         self.peaks[server.proc.pid] = [rss, threads, rss, threads]
         self.servers.append(server)
@@ -212,6 +239,20 @@ class Run:
         except BaseException as exc:  # the check reports it, with the schedule
             self.errors[(job, rank)] = (time.monotonic(), exc)
 
+    def _read_val(self, got: list[np.ndarray], errors: list[tuple[float, BaseException]]) -> None:
+        """One epoch of the val split, beside the train readers (while a stage slows val)."""
+        o = self.o
+        try:
+            with ServerDataStream(("sample_id", "features"), host="127.0.0.1", port=self.proxy.port, split="val",
+                                  hwm=o.hwm, timeout=o.timeout, heartbeat=o.heartbeat, receive_timeout=o.timeout,
+                                  local=False, client_id=f"val{len(self.val_readers)}") as s:
+                for ids, features in s.get_epoch_iterator():
+                    if not np.array_equal(features, expected_features(ids, o.dim)):
+                        raise AssertionError(f"val: features do not match sample ids {ids[:4]}")
+                    got.append(ids.copy())
+        except BaseException as exc:  # the check reports it, with the schedule
+            errors.append((time.monotonic(), exc))
+
     def _jobs(self) -> None:
         world, states = self.o.world, None
         for job, stop in enumerate((*self.s.stops, None)):
@@ -257,7 +298,7 @@ class Run:
 
     def _act(self, f: Fault) -> None:
         server, hold = self.servers[-1], f.length
-        if f.kind in ("kill", "other-options"):
+        if f.kind in ("kill", "other-options", "shard-swap"):
             children = descendants(server.proc.pid)
             self.killed.add(server.proc.pid)
             server.kill()
@@ -265,13 +306,32 @@ class Run:
                 wait_until(lambda: not any(alive(p) for p in children), 10.0, "worker processes end")
             except AssertionError:
                 self.out.failures.append(f"{f}: {sorted(p for p in children if alive(p))} outlived the killed server")
+            if f.kind == "shard-swap":
+                self._swap(f.count)
             self.abort.wait(hold)
             args = server.args[:]
             args[args.index("--port") + 1] = str(self.port)
             if f.kind == "other-options":
                 args[args.index(f.change[0]) + 1] = f.change[1]
+            if f.kind in TERMINAL_KINDS:
                 self.mismatch_restart = self.mismatch_restart or time.monotonic()
             self._start(args)
+        elif f.kind == "slow-stage":
+            splits = f.change[1].split(",")
+            if "val" in splits:  # a reader of val meets the slow batches, and must still get its epoch
+                got: list[np.ndarray] = []
+                errors: list[tuple[float, BaseException]] = []
+                reader = threading.Thread(target=self._read_val, args=(got, errors), daemon=True,
+                                          name=f"val{len(self.val_readers)}")
+                self.val_readers.append((reader, got, errors))
+                reader.start()
+            set_control(self.control, mode="slow", seconds=f.count / 1000, splits=splits)
+            try:
+                self.abort.wait(hold)
+            finally:
+                set_control(self.control)
+        elif f.kind == "hanging-stage":
+            self._hang_and_stop(server)
         elif f.kind == "pause":
             server.proc.send_signal(signal.SIGSTOP)
             try:
@@ -305,26 +365,83 @@ class Run:
                 for sock in socks:
                     sock.close(linger=0)
 
+    def _swap(self, index: int) -> None:
+        """Replace a train shard's bytes by another's of the same size, keeping its times."""
+        files = sorted((self.dir / "data" / "train").glob("*.parquet"))
+        target, donor = files[index % len(files)], files[(index + 1) % len(files)]
+        st, data = target.stat(), donor.read_bytes()
+        if len(data) != st.st_size:
+            raise AssertionError(f"the harness's shards differ in size: {target.name} {st.st_size}, {donor.name} {len(data)}")
+        self.swapped = (target, target.read_bytes(), st.st_atime_ns, st.st_mtime_ns)
+        with open(target, "r+b") as f:  # in place, as cp does
+            f.write(data)
+        os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+        self.swap_fired = True
+        self.out.figures.append(f"shard-swap: {target.name} holds {donor.name}'s rows, {st.st_size} bytes, mtime kept")
+
+    def _unswap(self) -> None:
+        if self.swapped is not None:
+            target, data, atime, mtime = self.swapped
+            target.write_bytes(data)
+            os.utime(target, ns=(atime, mtime))
+
+    def _hang_and_stop(self, server: ServerProcess) -> None:
+        """Have every batch hang in the stage, SIGTERM the server once one does, and restart it."""
+        entered = Path(self.control + ".entered")
+        entered.unlink(missing_ok=True)
+        set_control(self.control, mode="hang")
+        with self.cond:
+            self.hanging = True
+            self.cond.notify_all()
+        try:
+            wait_until(entered.exists, 10.0, "a batch hangs in the stage")
+            started = time.monotonic()
+            server.proc.send_signal(signal.SIGTERM)
+            code = server.proc.wait(STOP_DEADLINE + STOP_GRACE + 10.0)
+            took = time.monotonic() - started
+        finally:
+            set_control(self.control)
+            with self.cond:
+                self.hanging = False
+                self.cond.notify_all()
+        self.out.figures.append(f"hanging-stage: SIGTERM took {took:.2f}s, exit status {code}")
+        log = server.log()
+        if code != 0 or took > STOP_DEADLINE + STOP_GRACE:
+            self.out.failures.append(f"hanging-stage: SIGTERM took {took:.2f}s and exit status {code} (expected 0 "
+                                     f"within {STOP_DEADLINE + STOP_GRACE:.0f}s): {log[-1500:]}")
+        if f"stopping without stage {STAGE}" not in log:
+            self.out.failures.append(f"hanging-stage: the server did not name the stage it abandoned: {log[-1500:]}")
+        args = server.args[:]
+        args[args.index("--port") + 1] = str(self.port)
+        self._start(args)
+
     # -- the run --------------------------------------------------------------------------------
     def execute(self) -> Outcome:
         o, dataset = self.o, self.dir / "data"
         threads: list[threading.Thread] = []
         try:
-            write_sample_dataset(str(dataset), rows=o.rows, dim=o.dim, files=o.files, row_group_rows=o.row_group_rows)
+            write_sample_dataset(str(dataset), rows=o.rows, dim=o.dim, files=o.files, row_group_rows=o.row_group_rows,
+                                 plain=o.plain)
             self.port = self._start(o.serve_args(dataset, 0)).port
             self.proxy = TcpProxy(self.port, lifetime=self._left() + 30)
             threads = [threading.Thread(target=t, daemon=True) for t in (self._watch, self._faults)]
             for t in threads:
                 t.start()
             self._jobs()
+            with self.cond:
+                self.readers_done = True  # (no fault is due once the train readers are done)
+                self.cond.notify_all()
+            for reader, _, _ in self.val_readers:
+                reader.join(self._left())
         finally:
             with self.cond:
                 self.readers_done = True
             self._stop()
-            for t in threads + self.background:
+            for t in threads + self.background + [r for r, _, _ in self.val_readers]:
                 t.join(self._left() + 5.0)
             self._shutdown()
             self.ctx.destroy(linger=0)
+            self._unswap()
         self._check(dataset)
         self.out.elapsed = time.monotonic() - self.t0
         return self.out
@@ -359,6 +476,28 @@ class Run:
         check(self.s, dataset, got=self.got, errors=self.errors, finished=self.finished,
               mismatch_restart=self.mismatch_restart, peaks=self.peaks, failures=self.out.failures,
               figures=self.out.figures)
+        fail = self.out.failures
+        allowed = lambda when, exc: (self.mismatch_restart is not None and when > self.mismatch_restart  # noqa: E731
+                                     and isinstance(exc, FingerprintMismatch))
+        val_ids = np.arange(self.o.train_rows, self.o.rows)
+        for i, (reader, got, errors) in enumerate(self.val_readers):
+            ids = np.concatenate(got) if got else np.array([], dtype=np.int64)
+            if reader.is_alive():
+                fail.append(f"val reader {i} did not finish its epoch by the run's deadline ({len(ids)} ids)")
+            elif errors and not allowed(*errors[0]):
+                fail.append(f"val reader {i} raised {errors[0][1]!r:.600}")
+            elif not errors and not np.array_equal(np.sort(ids), val_ids):
+                fail.append(f"val reader {i}: {len(np.unique(ids))} distinct ids of {len(val_ids)}, {len(ids)} in all")
+            elif len(np.unique(ids)) != len(ids):
+                fail.append(f"val reader {i}: {len(ids) - len(np.unique(ids))} ids repeated")
+            else:
+                self.out.figures.append(f"val reader {i}: {len(ids)} ids" + (f", then {errors[0][1]!r:.200}" if errors else ""))
+        if self.swap_fired:
+            # The readers were mid-epoch: a server serving other content under the same names and
+            # sizes must be refused by content, not served (nor only caught by the reference).
+            raised = [exc for _, exc in self.errors.values() if isinstance(exc, FingerprintMismatch)]
+            if not any("footers" in str(exc) for exc in raised):
+                fail.append(f"shard-swap: no reader raised FingerprintMismatch naming the footers: {raised!r:.600}")
 
 
 
