@@ -47,6 +47,7 @@ import glob
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -174,7 +175,7 @@ class Run:
                     "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)}
         self.val_readers: list[tuple[threading.Thread, list[np.ndarray], list[tuple[float, BaseException]]]] = []
         self.swapped: tuple[Path, bytes, int, int] | None = None  # a shard swapped: its path, bytes and times
-        self.swap_fired = False
+        self.swapped_server: ServerProcess | None = None  # the server started after a shard swap
         self.hanging = False  # readers read on past the next fault's batch until one hangs in the stage
 
     def _left(self) -> float:
@@ -315,7 +316,9 @@ class Run:
                 args[args.index(f.change[0]) + 1] = f.change[1]
             if f.kind in TERMINAL_KINDS:
                 self.mismatch_restart = self.mismatch_restart or time.monotonic()
-            self._start(args)
+            restarted = self._start(args)
+            if f.kind == "shard-swap":
+                self.swapped_server = restarted
         elif f.kind == "slow-stage":
             splits = f.change[1].split(",")
             if "val" in splits:  # a reader of val meets the slow batches, and must still get its epoch
@@ -376,7 +379,6 @@ class Run:
         with open(target, "r+b") as f:  # in place, as cp does
             f.write(data)
         os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
-        self.swap_fired = True
         self.out.figures.append(f"shard-swap: {target.name} holds {donor.name}'s rows, {st.st_size} bytes, mtime kept")
 
     def _unswap(self) -> None:
@@ -492,12 +494,16 @@ class Run:
                 fail.append(f"val reader {i}: {len(ids) - len(np.unique(ids))} ids repeated")
             else:
                 self.out.figures.append(f"val reader {i}: {len(ids)} ids" + (f", then {errors[0][1]!r:.200}" if errors else ""))
-        if self.swap_fired:
-            # The readers were mid-epoch: a server serving other content under the same names and
-            # sizes must be refused by content, not served (nor only caught by the reference).
-            raised = [exc for _, exc in self.errors.values() if isinstance(exc, FingerprintMismatch)]
-            if not any("footers" in str(exc) for exc in raised):
-                fail.append(f"shard-swap: no reader raised FingerprintMismatch naming the footers: {raised!r:.600}")
+        if self.swapped_server is not None:
+            # Every reader that said Hello to the server of the swapped shard must have refused it
+            # by its content (one that had all its batches by then never asked: nothing to refuse).
+            asked = sorted(set(re.findall(r"client job(\d+)-rank(\d+)#", self.swapped_server.log_path.read_text())))
+            for job, rank in ((int(j), int(r)) for j, r in asked):
+                exc = self.errors.get((job, rank), (0.0, None))[1]
+                if not isinstance(exc, FingerprintMismatch) or "footers" not in str(exc):
+                    fail.append(f"shard-swap: job {job} rank {rank} was welcomed by the server of the swapped shard "
+                                f"and did not raise FingerprintMismatch naming the footers: {exc!r:.400}")
+            self.out.figures.append(f"shard-swap: {len(asked)} readers asked the server of the swapped shard")
 
 
 
