@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from fuelline.client import ServerDataStream
+from fuelline.protocol import ServerUnavailable
 from fuelline.server.serving.start import STOP_DEADLINE
 
 from support.processes import ServerProcess, wait_until
@@ -147,8 +148,17 @@ def test_a_client_whose_batches_wait_in_a_stage_holds_up_no_other(
 def test_sigterm_ends_a_server_whose_stage_hangs_and_names_the_stage(
         converted: Path, servers: list, tmp_path: Path, stages: Path) -> None:
     server = serve(servers, tmp_path, stages, converted, "hangs", "--heartbeat", "0.4")
-    stream = ServerDataStream(None, host="127.0.0.1", port=server.port, rank=0, world_size=1, heartbeat=0.4, timeout=60)
-    asked = threading.Thread(target=lambda: next(iter(stream.get_epoch_iterator()), None), daemon=True)
+    # The client asks for a batch, and keeps asking for 5 s after the server is gone.
+    stream = ServerDataStream(None, host="127.0.0.1", port=server.port, rank=0, world_size=1, heartbeat=0.4, timeout=5)
+    ended: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            next(iter(stream.get_epoch_iterator()), None)
+        except Exception as exc:  # (asserted below: the server it asked is gone)
+            ended.append(exc)
+
+    asked = threading.Thread(target=ask, daemon=True)
     try:
         asked.start()
         wait_until((tmp_path / "gate.entered").exists, 30, "a batch in the hanging stage")
@@ -159,8 +169,10 @@ def test_sigterm_ends_a_server_whose_stage_hangs_and_names_the_stage(
         except subprocess.TimeoutExpired:
             pytest.fail(f"the server outlived SIGTERM by {STOP_DEADLINE + 5} s with a hanging stage:\n{server.log()}")
         took = time.monotonic() - started
+        asked.join(30)
     finally:
         stream.close()
+    assert not asked.is_alive() and len(ended) == 1 and isinstance(ended[0], ServerUnavailable), ended
     log = server.log()
     assert code == 0, log
     assert took < STOP_DEADLINE, (took, log)
