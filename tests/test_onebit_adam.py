@@ -96,3 +96,49 @@ def test_onebit_adam_is_adam_before_freezing() -> None:
     restored = OneBitAdam(nn.Linear(32, 1).parameters(), freeze_step=10, state=state)
     restored.load_state_dict(opt.state_dict())
     assert restored.steps == 20 and state.local_gradients  # past freeze_step: the hook stays local
+
+
+# -- quiet parameters waking after the freeze -----------------------------------------------------
+LR = 1e-3
+BOUND = (1 - 0.9) / (1 - 0.999) ** 0.5  # Adam's largest step per unit lr with betas (0.9, 0.999)
+
+
+def _quiet_then_awake(rank: int, world_size: int, steps: int, freeze_step: int) -> dict[str, Any]:
+    """A linear model on unnormalised inputs whose second half is zero during the warm-up (a
+    sensor that came online late, dead units): those weights freeze a variance of 0, and then
+    get gradients of the inputs' scale. Records the largest step any weight took."""
+    gen = torch.Generator().manual_seed(rank)
+    torch.manual_seed(0)
+    model = nn.Linear(32, 1)
+    ddp = DDP(model)
+    state = register_onebit_adam(ddp)
+    opt = OneBitAdam(ddp.parameters(), lr=LR, freeze_step=freeze_step, state=state)
+    largest = 0.0
+    for step in range(steps):
+        x = torch.randn(16, 32, generator=gen) * 100.0  # raw values, as a sensor gives them
+        if step < freeze_step:
+            x[:, 16:] = 0.0
+        y = x.sum(dim=1) / 100.0
+        before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x).squeeze(1), y).backward()
+        opt.step()
+        after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        if step >= freeze_step:
+            largest = max(largest, float((after - before).abs().max()))
+    return {"largest": largest, "finite": bool(torch.isfinite(after).all())}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_weight_quiet_during_the_warmup_wakes_without_blowing_up(ranks: Ranks, world_size: int) -> None:
+    for out in ranks(_quiet_then_awake, world_size, 60, 20):
+        if world_size == 1:
+            # Nothing compressed: Adam's own bound, with the bias correction of step 21 (the first
+            # after the freeze).
+            assert out["finite"] and out["largest"] <= LR * BOUND / (1 - 0.9**21) * 1.001, out
+        else:
+            # 1-bit: a block's scale is the mean magnitude of what it carries, error feedback
+            # included, so a step may exceed Adam's bound by the error carried, never by orders
+            # of magnitude (a frozen variance of 0 made it 1e5 times the learning rate).
+            assert out["finite"] and out["largest"] <= 10 * LR * BOUND, out

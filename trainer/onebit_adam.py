@@ -21,6 +21,20 @@ The warm-up, the phase switch and the exchange are those of every compressed-mom
 (:class:`~fuelline.trainer.onebit_momentum.CompressedMomentum`). The trainer runs this algorithm
 for ``--compression onebit --optimizer adam`` (and ``--optimizer onebit-adam``, its old name).
 
+Design note "quiet parameters". A parameter that got (almost) no gradient during the warm-up (a
+hidden unit that was dead, a weight of an input that was zero) freezes a variance near zero, so
+Adam's frozen denominator is about ``eps``. When it wakes up after the freeze, its momentum
+divided by that denominator is enormous: the update blows up, the block's 1-bit scale spreads the
+blow-up over its neighbours, and the run goes to NaN within a few steps (unnormalised inputs make
+this common). Two bounds keep the compressed phase within what Adam itself would do:
+
+* at the freeze, each parameter's variance is floored at ``VARIANCE_FLOOR`` of its tensor's
+  median variance (the same on every rank: it is computed from averaged gradients), so a quiet
+  element divides by a denominator of its tensor's scale, not by ``eps``;
+* the normalised momentum (momentum over the frozen denominator, what is exchanged) is clamped to
+  ``± max(1, (1 - beta1) / sqrt(1 - beta2))``, the largest step per unit learning rate that Adam
+  with a live variance can take (Kingma & Ba, 2015, section 2.1), before it is compressed.
+
 Both share one :class:`~fuelline.trainer.onebit.OneBitState`: the optimizer sets its
 ``local_gradients`` flag when the variance freezes, and its byte counters add the warm-up
 all-reduce and the compressed momentum alike. The averaged momentum is decoded from the same
@@ -33,6 +47,8 @@ Usage::
     optimizer = OneBitAdam(ddp_model.parameters(), lr=1e-3, freeze_step=100, state=state)
 """
 
+import logging
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,7 +61,12 @@ from fuelline.trainer.onebit_momentum import (
     register_momentum_hook,
 )
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["OneBitAdam", "onebit_adam_hook", "register_onebit_adam"]
+
+# At the freeze, no element's variance stays below this share of its tensor's median variance.
+VARIANCE_FLOOR = 1e-2
 
 # The hook and its registration are those of every compressed-momentum optimizer.
 onebit_adam_hook = momentum_hook
@@ -141,6 +162,8 @@ class OneBitAdam(CompressedMomentum):
                     )
         if not tracked:
             return
+        if self.steps == self.warmup_steps:
+            self._floor_variances(tracked)
         # What travels is the momentum divided by the frozen denominator (the same on every rank,
         # so averaging it is averaging the momentum). A block's one scale then fits all of its
         # elements: raw momenta of a parameter with a tiny variance sit in blocks scaled by
@@ -154,7 +177,7 @@ class OneBitAdam(CompressedMomentum):
                 exp_avg.add_(p.grad, alpha=1 - beta1)
             denom = self._denom(group, p)
             denoms.append(denom)
-            momenta.append((exp_avg / denom).reshape(-1))
+            momenta.append((exp_avg / denom).clamp_(-self._bound(group), self._bound(group)).reshape(-1))
         flat = torch.cat(momenta)
         self._exchange(flat)
         offset = 0
@@ -163,6 +186,23 @@ class OneBitAdam(CompressedMomentum):
             exp_avg.copy_(flat[offset : offset + exp_avg.numel()].view_as(exp_avg)).mul_(denom)
             offset += exp_avg.numel()
             self._update(group, p)
+
+    @staticmethod
+    def _bound(group: dict[str, Any]) -> float:
+        """The largest normalised momentum exchanged: Adam's own bound on a step per unit of lr."""
+        beta1, beta2 = group["betas"]
+        return max(1.0, (1.0 - beta1) / math.sqrt(1.0 - beta2))
+
+    def _floor_variances(self, tracked: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
+        """Once, as the variance freezes: no element below ``VARIANCE_FLOOR`` of its tensor's median."""
+        for _, p in tracked:
+            v = self.state[p]["exp_avg_sq"]
+            floor = VARIANCE_FLOOR * float(v.median())
+            quiet = int((v < floor).sum())
+            if quiet:
+                v.clamp_(min=floor)
+                logger.debug("%d of %d variances of a %s parameter floored at %.3g", quiet, v.numel(),
+                             tuple(p.shape), floor)
 
     def _denom(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
