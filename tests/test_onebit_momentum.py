@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -114,7 +115,8 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(("options", "compressed"), [
-    (("--optimizer", "adam", "--freeze-step", "3"), "momentum"),
+    # The warm-up left at auto: 15 % of the run's steps.
+    (("--optimizer", "adam"), "momentum"),
     (("--optimizer", "sgd", "--lr", "0.01", "--warmup-iters", "3"), "momentum"),
     # Without momentum there is none to exchange: the gradient hook compresses the gradients.
     (("--optimizer", "sgd", "--momentum", "0", "--lr", "0.01", "--warmup-iters", "3"), "gradients"),
@@ -123,10 +125,20 @@ def test_compression_onebit_exchanges_the_momentum_in_one_bit(dataset: Path, sta
                                                              options: tuple[str, ...], compressed: str) -> None:
     server = start_serve(dataset, "--batch-size", "16")
     metrics = tmp_path / "metrics.jsonl"
-    torchrun(server.endpoint, "--epochs", "2", "--compression", "onebit", "--metrics-json", str(metrics), *options,
-             timeout=150)
+    result = torchrun(server.endpoint, "--epochs", "2", "--compression", "onebit", "--metrics-json", str(metrics),
+                      *options, timeout=150)
     records = lines(metrics)
     assert [r["epoch"] for r in records] == [0, 1]
+    # Said once, by rank 0: from which step of how many it compresses.
+    said = re.findall(r"1-bit from step (\d+) of (\d+) \((--[\w-]+)\)", result.stderr)
+    assert len(said) == 1, result.stderr[-3000:]
+    start, planned, option = int(said[0][0]), int(said[0][1]), said[0][2]
+    assert planned == records[-1]["step"], (said, records[-1]["step"])  # epochs x batches per epoch
+    given = "--freeze-step" in options or "--warmup-iters" in options
+    assert start == (3 if given else max(1, round(0.15 * planned))), (said, options)
+    assert option == ("--freeze-step" if "adam" in options else "--warmup-iters")
+    # The whole run's bytes per element lie between the warm-up's fp32 and the compressed epoch's.
+    assert records[1]["grad_bytes_per_element"] < records[1]["run_grad_bytes_per_element"] < 4.0
     # Past the warm-up (the variance frozen, for Adam) the optimizer's momentum crosses the wire,
     # not the gradients.
     assert {r["compression"] for r in records} == {"onebit-momentum" if compressed == "momentum" else "onebit"}
@@ -134,6 +146,19 @@ def test_compression_onebit_exchanges_the_momentum_in_one_bit(dataset: Path, sta
     share = records[1]["grad_bytes_per_element"] / (2 * (2 - 1) / 2 * 4)
     assert 1 / 32 <= share <= 0.033, share
     assert all(math.isfinite(r["train_loss"]) for r in records)
+
+
+@pytest.mark.timeout(200)
+def test_a_run_too_short_for_its_warmup_says_compression_never_starts(dataset: Path, start_serve,
+                                                                      tmp_path: Path) -> None:
+    server = start_serve(dataset, "--batch-size", "16")
+    metrics = tmp_path / "metrics.jsonl"
+    result = torchrun(server.endpoint, "--epochs", "1", "--compression", "onebit", "--optimizer", "adam",
+                      "--freeze-step", "1000", "--metrics-json", str(metrics), timeout=150)
+    warned = [line for line in result.stderr.splitlines() if "1-bit compression never starts in this run" in line]
+    assert len(warned) == 1 and "--freeze-step 1000" in warned[0], result.stderr[-3000:]
+    (record,) = lines(metrics)
+    assert record["compressed"] is None and record["run_grad_bytes_per_element"] == pytest.approx(4.0, rel=0.01)
 
 
 # -- what the trainer refuses ----------------------------------------------------------------------

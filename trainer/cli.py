@@ -9,7 +9,11 @@ from typing import Sequence
 
 from fuelline.protocol.common.endpoints import parse_host_port
 
-__all__ = ["ONEBIT_SGD_MAX_WORLD", "build_parser", "parse_args", "refusal"]
+__all__ = ["ONEBIT_SGD_MAX_WORLD", "WARMUP_SHARE", "build_parser", "parse_args", "refusal", "warmup_steps"]
+
+# The share of a run's steps a 1-bit scheme spends uncompressed by default (--freeze-step and
+# --warmup-iters auto): the 1-bit Adam paper froze the variance after 15-25 % of training.
+WARMUP_SHARE = 0.15
 
 # The most ranks on which 1-bit momentum SGD was measured to keep the accuracy of uncompressed
 # momentum SGD (benchmarks/convergence.py: 15 epochs, 3 seeds; on 4 ranks it was ~5 points behind).
@@ -24,6 +28,24 @@ def refusal(optimizer: str, compression: str, world_size: int, momentum: float =
                 f"(this job has {world_size}): use --compression onebit --optimizer adam (1-bit Adam), or sgd with "
                 "--compression fp16 or none (--accept-accuracy-loss runs it anyway)")
     return None
+
+
+def _steps_or_auto(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps or auto, got {text!r}") from None
+
+
+def warmup_steps(value: int | str, planned: int | None) -> int:
+    """The uncompressed steps of a 1-bit scheme: ``value`` itself, or for ``auto``
+    ``WARMUP_SHARE`` of the run's ``planned`` steps (at least 1; 100 when the run's length is
+    not known)."""
+    if value != "auto":
+        return int(value)
+    return 100 if not planned else max(1, round(WARMUP_SHARE * planned))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,14 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-source", default="label", help="the source holding each example's class index")
     p.add_argument("--classes", type=int, default=None, metavar="N",
                    help="number of classes, where the server names none (else counted from the train labels)")
-    p.add_argument("--warmup-iters", type=int, default=10,
-                   help="onebit with sgd: steps on fp32-averaged gradients before the momentum is compressed")
-    p.add_argument("--freeze-step", type=int, default=100,
-                   help="onebit with adam: plain Adam steps before the variance freezes and the momentum is compressed")
+    p.add_argument("--warmup-iters", type=_steps_or_auto, default="auto", metavar="STEPS|auto",
+                   help="onebit with sgd: steps on fp32-averaged gradients before the momentum is compressed; "
+                        "auto: 15 %% of the run's steps (--epochs x batches per epoch)")
+    p.add_argument("--freeze-step", type=_steps_or_auto, default="auto", metavar="STEPS|auto",
+                   help="onebit with adam: plain Adam steps before the variance freezes and the momentum is "
+                        "compressed; auto: 15 %% of the run's steps (--epochs x batches per epoch)")
     p.add_argument("--checkpoint-dir", default=None, help="per-rank checkpoints (model, optimizer, data position)")
     p.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: each epoch only)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint-dir")
-    p.add_argument("--max-steps", type=int, default=0, help="stop (after a checkpoint) once this run made N steps")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop (after a checkpoint) once this launch made N steps, over every epoch")
     p.add_argument("--metrics-json", default=None, help="append one JSON line per epoch here")
     p.add_argument("--json-stdout", action="store_true",
                    help="print each epoch's JSON line on stdout instead of the one-line summary (which goes to "
@@ -103,7 +128,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--resume needs --checkpoint-dir")
     if args.epochs < 1:
         p.error("--epochs must be >= 1")
-    if args.warmup_iters < 0 or args.freeze_step < 1:
+    if (args.warmup_iters != "auto" and args.warmup_iters < 0) or (args.freeze_step != "auto" and args.freeze_step < 1):
         p.error("--warmup-iters must be >= 0 and --freeze-step >= 1 (the variance needs a gradient)")
     if args.optimizer == "onebit-adam" and args.compression == "fp16":
         p.error("--optimizer onebit-adam compresses the momentum in 1 bit: use --compression onebit --optimizer adam, "

@@ -20,8 +20,9 @@ from fuelline.client import ServerDataStream
 from fuelline.protocol import DataError
 from fuelline.trainer import comm
 from fuelline.trainer.checkpoint import CheckpointError, Checkpoints
-from fuelline.trainer.cli import parse_args
+from fuelline.trainer.cli import parse_args, warmup_steps
 from fuelline.trainer.dynamic_batch import MicroBatcher
+from fuelline.trainer.finite import NonFiniteError, check_finite
 from fuelline.trainer.lifecycle import shutdown
 from fuelline.trainer.losses import class_weights, l2_norm, make_weighting, modality_losses
 from fuelline.trainer.model_spec import EVAL_HEAD, as_heads, build_model, scan_classes
@@ -83,6 +84,8 @@ class Trainer:
             args, self.train.sources, self.train.schema, info, lambda: scan_classes(common, args.label_source, device), device)
         self.classes: list[str] = list(self.spec.class_names or map(str, range(self.spec.classes)))
         self.ddp = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.planned_steps = args.epochs * self.train.batches_per_epoch if self.train.batches_per_epoch else None
+        self._size_warmup()
         self.comm_state = self._register_hook()
         self.optimizer = make_optimizer(args, self.ddp, self.comm_state)
         self.weights = class_weights(counts).to(device) if args.class_weights and counts is not None else None
@@ -94,12 +97,34 @@ class Trainer:
         self.micro = MicroBatcher(enabled=device.type == "cuda", size=args.micro_batch)
         self.ckpt = Checkpoints(args.checkpoint_dir, rank, world) if args.checkpoint_dir else None
         self.step = 0
+        self.steps_this_run = 0  # steps this launch made, over every epoch (what --max-steps counts)
+        self.last_loss: float | None = None  # the last micro-batch's, for a non-finite stop's message
         self.epoch_sums: dict[str, float] = {}
         self.gpu = GpuSampler.for_device(device)
         self.progress_bar = use_bar(args.log_format)
         if rank == 0:
             log.info("classes %s, train windows per class %s, class weights %s", self.classes, counts,
                      None if self.weights is None else [round(w, 2) for w in self.weights.tolist()])
+
+    def _size_warmup(self) -> None:
+        """Resolve ``auto`` warm-ups from the run's length, and say once when 1-bit starts (or
+        that it never will in this run)."""
+        args = self.args
+        args.freeze_step = warmup_steps(args.freeze_step, self.planned_steps)
+        args.warmup_iters = warmup_steps(args.warmup_iters, self.planned_steps)
+        if args.compression != "onebit" and args.optimizer != "onebit-adam":
+            return
+        adam = args.optimizer in ("adam", "onebit-adam")
+        start, option = (args.freeze_step, "--freeze-step") if adam else (args.warmup_iters, "--warmup-iters")
+        if self.rank != 0:
+            return
+        planned = self.planned_steps
+        if planned is not None and start >= planned:
+            log.warning("1-bit compression never starts in this run: %s %d, and the run has %d steps "
+                        "(%d epochs of %d); everything goes uncompressed (fp32). Lower %s, or leave it at auto",
+                        option, start, planned, args.epochs, self.train.batches_per_epoch, option)
+        else:
+            log.info("1-bit from step %d of %s (%s)", start, planned if planned is not None else "?", option)
 
     def _register_hook(self) -> Any:
         if exchanges_momentum(self.args.optimizer, self.args.compression, self.args.momentum):
@@ -165,7 +190,8 @@ class Trainer:
         total = sum(self.alphas[m] * losses[m] for m in self.heads) + self.args.l2 * l2_norm(self.model.parameters())
         (total * scale).backward()
         sums = self.epoch_sums
-        sums["loss"] = sums.get("loss", 0.0) + float(total.detach()) * scale
+        self.last_loss = float(total.detach())
+        sums["loss"] = sums.get("loss", 0.0) + self.last_loss * scale
         for m in self.heads:
             sums[f"L_{m}"] = sums.get(f"L_{m}", 0.0) + float(losses[m].detach()) * scale
 
@@ -216,8 +242,10 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.micro.run(batch, self._forward_backward, lambda: self.optimizer.zero_grad(set_to_none=True), self.ddp.no_sync)
                 self.optimizer.step()
+                check_finite(self.model, self.step + 1, self.last_loss)  # before any checkpoint of it
                 t2 = time.perf_counter()
                 self.step += 1
+                self.steps_this_run += 1
                 steps_here += 1
                 sums["steps"] = sums.get("steps", 0) + 1
                 sums["samples"] = sums.get("samples", 0) + len(ids)
@@ -232,7 +260,7 @@ class Trainer:
                         f.write(json.dumps({"step": self.step, "epoch": self.train.state_dict()["epoch"], "ids": ids}) + "\n")
                 if args.checkpoint_every and self.step % args.checkpoint_every == 0:
                     self.checkpoint()
-                if args.max_steps and steps_here >= args.max_steps:
+                if args.max_steps and self.steps_this_run >= args.max_steps:
                     if not (args.checkpoint_every and self.step % args.checkpoint_every == 0):
                         self.checkpoint()
                     return None
@@ -248,6 +276,9 @@ class Trainer:
             "data_wait_s": sums.get("wait", 0.0) / steps,
             "step_time_s": sums.get("step_time", 0.0) / steps,
             "grad_bytes_per_element": sent / elems if elems else None,
+            # The whole run's so far (a resumed run's counters come from its checkpoint).
+            "run_grad_bytes_per_element": (self.comm_state.bytes_sent / self.comm_state.elements
+                                           if self.comm_state.elements else None),
             "per_modality_loss": {m: sums.get(f"L_{m}", 0.0) / steps for m in self.heads},
             **self._timing(times, sums),
         }
@@ -378,6 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (CheckpointError, DataError) as exc:  # bad input or options: one line says which
         log.error("rank %d: %s", rank, exc)
         return 1
+    except NonFiniteError as exc:  # every rank sees it at the same step: one says it
+        log.log(logging.ERROR if rank == 0 else logging.DEBUG, "rank %d: %s", rank, exc)
+        return 3
     except KeyboardInterrupt:
         log.error("rank %d interrupted", rank)
         return 130
