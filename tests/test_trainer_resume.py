@@ -53,12 +53,13 @@ def tensors(value, path: str = ""):
 
 
 @pytest.mark.timeout(300)
+# (``--optimizer onebit-adam`` is the old name of ``--compression onebit --optimizer adam``: the same
+# optimizer and hook, run end to end by test_trainer_output.py.)
 @pytest.mark.parametrize("options", [
     ("--compression", "onebit", "--optimizer", "sgd", "--lr", "0.01", "--warmup-iters", "2"),
-    ("--optimizer", "onebit-adam", "--freeze-step", "3"),
     ("--compression", "onebit", "--optimizer", "adam", "--freeze-step", "3"),
     ("--compression", "onebit", "--optimizer", "sgd", "--momentum", "0", "--lr", "0.01", "--warmup-iters", "2"),
-], ids=["onebit-sgd", "onebit-adam", "onebit-compressed-adam", "onebit-plain-sgd"])
+], ids=["onebit-sgd", "onebit-compressed-adam", "onebit-plain-sgd"])
 def test_a_resumed_one_bit_run_matches_an_uninterrupted_one_bit_for_bit(dataset: Path, start_serve, tmp_path: Path,
                                                                         options: tuple[str, ...]) -> None:
     server = start_serve(dataset, "--batch-size", "8", "--seed", "3")

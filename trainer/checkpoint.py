@@ -9,14 +9,22 @@ is ever half-written, not even after a power cut.
 A checkpoint folder is often a shared volume, so loading one must not run code: files are loaded
 with ``torch.load(weights_only=True)``, which accepts tensors and plain containers, numbers and
 strings only. :func:`plain` makes a state of that kind before it is saved.
+
+One job writes a folder at a time: rank 0 holds an exclusive lock on ``<folder>/.lock`` (an
+``flock``, released by the kernel when the process ends, however it ends) for as long as the job
+runs, and a second job's rank 0 is refused, naming the holder's process and host. A ``--resume``
+started while the job it resumes still runs would otherwise write the same steps beside it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pickle
 import re
+import socket
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -83,11 +91,37 @@ def _write_durably(path: str, write: Callable[[Any], None], mode: str = "wb") ->
 class Checkpoints:
     KEEP = 2
 
+    LOCK = ".lock"
+
     def __init__(self, directory: str, rank: int, world_size: int) -> None:
+        """Raises:
+            CheckpointError: (rank 0) another job holds the folder."""
         self.directory = directory
         self.rank = rank
         self.world_size = world_size
         os.makedirs(directory, exist_ok=True)
+        self._lock_fd: int | None = self._lock() if rank == 0 else None
+
+    def _lock(self) -> int:
+        path = os.path.join(self.directory, self.LOCK)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise CheckpointError(f"checkpoint folder {self.directory} is in use by {holder}: one job writes a folder "
+                                  "at a time; wait for that job to end (or stop it), or give another --checkpoint-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+                  .encode(), 0)
+        return fd
+
+    def close(self) -> None:
+        """Release the folder (the process's end releases it too)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _path(self, step: int, rank: int) -> str:
         return os.path.join(self.directory, f"step{step:09d}-rank{rank}.pt")

@@ -13,18 +13,46 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["BARRIER_TIMEOUT_S", "shutdown"]
+__all__ = ["BARRIER_TIMEOUT_S", "exit_with_parent", "shutdown"]
 
 log = logging.getLogger("fuelline.trainer")
 
 # How long a rank that finished waits for its peers at the end. The ranks step in lockstep, so
 # healthy peers arrive within seconds; a peer that failed never does, and must not hold the others.
 BARRIER_TIMEOUT_S = 60.0
+
+
+def exit_with_parent(poll_s: float = 0.5) -> threading.Thread:
+    """End this process (exit status 1) once the process that started it is gone.
+
+    torchrun starts its ranks in sessions of their own, so a torchrun killed with SIGKILL (an OOM
+    killer, ``kill -9``, a node agent) cannot take them with it: they would train on for the rest
+    of the run, and write the checkpoints a resumed job writes too. A daemon thread checks every
+    ``poll_s`` whether this process was re-parented, which happens when its parent dies.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)  # (polling the parent's pid: nothing signals its death to a non-child)
+            if os.getppid() != parent:
+                log.error("rank %s: its launcher (pid %d) is gone; stopping (resume with --resume)",
+                          os.environ.get("RANK", "?"), parent)
+                for handler in logging.getLogger().handlers:
+                    handler.flush()
+                os._exit(1)
+
+    thread = threading.Thread(target=watch, name="fl-parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def final_barrier(timeout_s: float = BARRIER_TIMEOUT_S) -> bool:

@@ -23,7 +23,7 @@ from fuelline.trainer.checkpoint import CheckpointError, Checkpoints
 from fuelline.trainer.cli import parse_args, warmup_steps
 from fuelline.trainer.dynamic_batch import MicroBatcher
 from fuelline.trainer.finite import NonFiniteError, check_finite
-from fuelline.trainer.lifecycle import shutdown
+from fuelline.trainer.lifecycle import exit_with_parent, shutdown
 from fuelline.trainer.losses import class_weights, l2_norm, make_weighting, modality_losses
 from fuelline.trainer.model_spec import EVAL_HEAD, as_heads, build_model, scan_classes
 from fuelline.trainer.onebit_momentum import register_momentum_hook
@@ -380,9 +380,12 @@ class Trainer:
         return 0
 
     def close(self) -> None:
-        """Close the data streams (their sockets and threads); the process group stays up."""
+        """Close the data streams (their sockets and threads) and release the checkpoint folder;
+        the process group stays up."""
         self.train.close()
         self.val.close()
+        if self.ckpt is not None:
+            self.ckpt.close()
 
     def release(self) -> None:
         """Drop everything that holds the process group (DDP's reducer and its comm hook, the
@@ -396,6 +399,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fuelline.protocol.common.logs import configure_logging
 
     configure_logging(args.log_level, args.log_format)
+    if "LOCAL_RANK" in os.environ:  # a rank of torchrun's: it ends with its launcher
+        exit_with_parent()
     rank, world, device = setup_distributed()
     trainer: Trainer | None = None
     ok = False
@@ -413,7 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.log(logging.ERROR if rank == 0 else logging.DEBUG, "rank %d: %s", rank, exc)
         return 3
     except KeyboardInterrupt:
-        log.error("rank %d interrupted", rank)
+        hint = f": continue with the same command and --resume (from {args.checkpoint_dir})" if args.checkpoint_dir else ""
+        log.log(logging.ERROR if rank == 0 else logging.DEBUG, "rank %d interrupted%s", rank, hint)
         return 130
     except Exception:
         log.exception("rank %d failed", rank)
