@@ -93,6 +93,26 @@ def test_own_model_resumes_from_its_checkpoint(separable_dataset: Path, start_se
         assert sorted(ids) == list(range(2048))  # every train example once: nothing lost, nothing repeated
 
 
+@pytest.mark.timeout(180)
+def test_data_of_features_and_a_label_only_trains_and_evaluates_every_val_example_once(
+        separable_dataset: Path, start_serve, tmp_path: Path) -> None:
+    # The same data without sample_id: the trainer needs only what the model reads and a label.
+    # 512 val rows on 3 ranks: 171 a rank, so the last one's span ends with a repeat (padding).
+    bare = tmp_path / "bare"
+    for split in ("train", "val"):
+        (bare / split).mkdir(parents=True)
+        table = pq.read_table(separable_dataset / split / "part-00000.parquet").drop(["sample_id"])
+        pq.write_table(table, bare / split / "part-00000.parquet", row_group_size=256)
+    server = start_serve(bare, "--batch-size", "64")
+    metrics = tmp_path / "metrics.jsonl"
+    result = torchrun(server.endpoint, "--model", "examples.own_model:build", "--epochs", "1", "--lr", "0.01",
+                      "--width", "16", "--metrics-json", str(metrics), nproc=3)
+    assert result.returncode == 0, result.stderr[-4000:]
+    (record,) = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert record["val_windows"] == 512, record  # each val example once: the padding's repeat dropped
+    assert record["val_accuracy"] > 0.5, record  # chance is 0.25
+
+
 @pytest.mark.timeout(120)
 def test_builtin_model_on_the_sample_dataset_fails_with_one_clear_line(sample_dataset: Path, start_serve) -> None:
     server = start_serve(sample_dataset, "--batch-size", "64")

@@ -234,8 +234,9 @@ class Trainer:
                 t1 = time.perf_counter()
                 if batch is None:
                     break
-                ids = batch.pop("sample_id").tolist()
+                ids = batch.pop("sample_id").tolist() if "sample_id" in batch else None  # (optional)
                 batch.pop("t_start", None)
+                rows = len(batch[self.spec.label_source])
                 batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
                 if self.micro.enabled and self.micro.size is None:
                     self._probe_micro_batch(batch)
@@ -248,14 +249,14 @@ class Trainer:
                 self.steps_this_run += 1
                 steps_here += 1
                 sums["steps"] = sums.get("steps", 0) + 1
-                sums["samples"] = sums.get("samples", 0) + len(ids)
+                sums["samples"] = sums.get("samples", 0) + rows
                 sums["wait"] = sums.get("wait", 0.0) + (t1 - t0)
                 sums["step_time"] = sums.get("step_time", 0.0) + (t2 - t1)
                 times.record(t1 - t0, t2 - t1, arrival=t1)
                 self.gpu.maybe_sample(steps_here)
                 progress.update(done + steps_here, sums.get("loss", 0.0) / sums["steps"],
                                 wait_share(sums["wait"], sums["step_time"]))
-                if args.sample_log:
+                if args.sample_log and ids is not None:
                     with open(f"{args.sample_log}.rank{self.rank}", "a") as f:
                         f.write(json.dumps({"step": self.step, "epoch": self.train.state_dict()["epoch"], "ids": ids}) + "\n")
                 if args.checkpoint_every and self.step % args.checkpoint_every == 0:
@@ -308,12 +309,19 @@ class Trainer:
         }
 
     def evaluate(self) -> dict[str, Any]:
-        """Fused-head (or single-output) predictions over the whole val split (padding duplicates removed by sample_id)."""
+        """Fused-head (or single-output) predictions over the whole val split, each example once:
+        the wrap-padding's repeats are dropped by ``sample_id``, or, where the server sends none,
+        by position (rank spans are contiguous in the epoch's order, and only the last ends in
+        repeats: the split's first rows again)."""
         self.model.eval()
-        ids, preds, labels = [], [], []
+        ids: list | None = []
+        preds, labels = [], []
         with torch.no_grad():
             for batch in self.val.get_epoch_iterator(as_dict=True):
-                ids += batch.pop("sample_id").tolist()
+                if ids is not None and "sample_id" in batch:
+                    ids += batch.pop("sample_id").tolist()
+                else:
+                    ids = None
                 batch.pop("t_start", None)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 logits = self._logits(self.model, batch)
@@ -325,10 +333,15 @@ class Trainer:
             dist.all_gather_object(gathered, (ids, preds, labels))
         else:
             gathered = [(ids, preds, labels)]
-        seen: dict[int, tuple[int, int]] = {}
-        for i, p, y in gathered:
-            for sid, pp, yy in zip(i, p, y):
-                seen.setdefault(sid, (pp, yy))
+        seen: dict[Any, tuple[int, int]] = {}
+        if all(i is not None for i, _, _ in gathered):
+            for i, p, y in gathered:
+                for sid, pp, yy in zip(i, p, y):
+                    seen.setdefault(sid, (pp, yy))
+        else:
+            rows = int(self.val.info["rows"])
+            both = [(pp, yy) for _, p, y in gathered for pp, yy in zip(p, y)]
+            seen = dict(enumerate(both[:rows]))
         pred = np.array([v[0] for v in seen.values()], dtype=np.int64)
         true = np.array([v[1] for v in seen.values()], dtype=np.int64)
         return classification_report(pred, true, self.classes) | {"windows": len(seen)}
