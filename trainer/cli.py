@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from typing import Sequence
+import sys
+from typing import NoReturn, Sequence
 
 from fuelline.protocol.common.endpoints import parse_host_port
 
@@ -48,8 +49,18 @@ def warmup_steps(value: int | str, planned: int | None) -> int:
     return 100 if not planned else max(1, round(WARMUP_SHARE * planned))
 
 
+class _Parser(argparse.ArgumentParser):
+    """An option error is one line, from rank 0 only: every rank of a torchrun job parses the same
+    command line, and a usage text per rank buried the reason in the launcher's report."""
+
+    def error(self, message: str) -> NoReturn:
+        if os.environ.get("RANK", "0") == "0":
+            self._print_message(f"{self.prog}: error: {message} (--help lists the options)\n", sys.stderr)
+        self.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="torchrun --nproc_per_node N -m fuelline.trainer",
+    p = _Parser(prog="torchrun --nproc_per_node N -m fuelline.trainer",
                                 description="Train a classifier on batches from data servers: the built-in multimodal "
                                             "emotion model, or one of your own (--model).")
     p.add_argument("--servers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
