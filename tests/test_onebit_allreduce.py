@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from fuelline.trainer.onebit import OneBitState, onebit_allreduce, onebit_hook
+from fuelline.trainer.onebit import OneBitState, compress, decompress, onebit_allreduce, onebit_hook
 
 from support.onebit import (
     BLOCK,
@@ -113,6 +113,62 @@ def test_error_feedback_removes_bias_and_loses_nothing(ranks: Ranks, world_size:
     assert r[f"no_ef@{rounds}"] > 0.05, r
     # Nothing is lost, only deferred: float32 rounding is all that separates the two sides.
     assert r["residual"] < 1e-5, r
+
+
+# -- the exchange is its definition, bit for bit --------------------------------------------------
+def _definition(inputs: list[torch.Tensor], steps: int, block: int) -> list[torch.Tensor]:
+    """The two-phase exchange written out for all ranks at once with the one-vector format
+    (compress / decompress): what every rank must decode after each step."""
+    world_size, n = len(inputs), inputs[0].numel()
+    chunk = 8 * max(1, -(-n // (8 * world_size)))
+    padded = lambda v: torch.cat([v, torch.zeros(world_size * chunk - n)])  # noqa: E731
+    send_err = [torch.zeros(n) for _ in inputs]
+    reduce_err = [torch.zeros(chunk) for _ in inputs]
+    outputs = []
+    for step in range(steps):
+        pieces = []
+        for r, x in enumerate(inputs):
+            corrected = padded(x * (step + 1) + send_err[r])
+            decoded = []
+            for k in range(world_size):
+                part = corrected[k * chunk : (k + 1) * chunk]
+                real = max(0, min(chunk, n - k * chunk))
+                p, s = compress(part[:real], block) if real else compress(part[:0], block)
+                decoded.append(torch.cat([decompress(p, s, real, block), torch.zeros(chunk - real)]))
+            pieces.append(decoded)
+            send_err[r] = corrected[:n] - torch.cat(decoded)[:n]
+        result = []
+        for k in range(world_size):
+            real = max(0, min(chunk, n - k * chunk))
+            average = torch.stack([pieces[r][k] for r in range(world_size)]).sum(dim=0) / world_size
+            average[real:] = 0
+            average += reduce_err[k]
+            p, s = compress(average[:real], block)
+            own = torch.cat([decompress(p, s, real, block), torch.zeros(chunk - real)])
+            reduce_err[k] = average - own
+            result.append(own)
+        outputs.append(torch.cat(result)[:n])
+    return outputs
+
+
+def _definition_worker(rank: int, world_size: int, n: int, steps: int, block: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    inputs = [torch.randn(n, generator=gen) * torch.logspace(-3, 1, n) for _ in range(world_size)]
+    for x in inputs:
+        x[::13] = 0.0  # exact zeros decode as +scale
+    state = OneBitState(block_size=block)
+    got = [onebit_allreduce(state, inputs[rank] * (step + 1), key="k").wait().clone() for step in range(steps)]
+    want = _definition(inputs, steps, block)
+    return [g - w for g, w in zip(got, want)]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_exchange_decodes_exactly_its_definition(ranks: Ranks, world_size: int) -> None:
+    # n: not a multiple of 8, W or the block, so padding and short blocks take part; three steps,
+    # so both error buffers (and the reused scratch buffers) carry from call to call.
+    for diffs in ranks(_definition_worker, world_size, 5003, 3, 64):
+        assert all(float(d.abs().max()) == 0.0 for d in diffs), [float(d.abs().max()) for d in diffs]
 
 
 # -- replicas stay identical --------------------------------------------------------------------

@@ -133,3 +133,26 @@ def test_error_buffers_saved_per_parameter_land_where_a_rebuilt_bucket_puts_them
     assert other.iter == 7
     other.layouts[key] = state.layouts[key]
     assert not other.error_buffer(other.send_errors, key, torch.zeros(14)).any()
+
+
+# -- the CPU path and the tensor path (what runs on an accelerator) agree --------------------------
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1023, 1025, *RANDOM_LENGTHS])
+def test_numpy_and_tensor_sign_paths_agree_bit_for_bit(n: int) -> None:
+    from fuelline.trainer import bitpack
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n + 11))
+    if n:
+        x[:: max(1, n // 4)] = -0.0
+        x[1 :: max(1, n // 3)] = float("nan")
+    packed = pack_signs(x)
+    assert torch.equal(packed, bitpack._pack_signs_tensor(x < 0))
+    assert torch.equal(unpack_signs(packed, n), bitpack._unpack_signs_tensor(packed, n))
+    out = torch.full((8 * packed.numel(),), 5.0)
+    assert torch.equal(unpack_signs(packed, n, out), bitpack._unpack_signs_tensor(packed, n))
+    assert unpack_signs(packed, n, out).data_ptr() == out.data_ptr()  # written where asked
+
+
+def test_unpack_into_a_buffer_that_does_not_fit_is_refused() -> None:
+    packed = pack_signs(torch.randn(16))
+    with pytest.raises(ValueError, match="out must be 16"):
+        unpack_signs(packed, 16, torch.empty(15))

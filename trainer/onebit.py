@@ -59,6 +59,7 @@ __all__ = [
     "OneBitState",
     "onebit_hook",
     "onebit_allreduce",
+    "exchange_buffer",
     "fp32_allreduce",
     "pack_signs",
     "unpack_signs",
@@ -118,6 +119,7 @@ class OneBitState(NamedErrors):
         "layouts",
         "orders",
         "restored",
+        "workspaces",
         # The fields below record communication statistics.
         "bytes_sent",
         "elements",
@@ -160,16 +162,20 @@ class OneBitState(NamedErrors):
         self.orders: dict[tuple[int, ...], tuple[Hashable, torch.Tensor]] = {}
         # Error buffers from a checkpoint, put in place as the buckets they belong to come by.
         self.restored: dict[str, dict[str, Any]] = {}
+        # Per key, the scratch buffers of its exchange (onebit_allreduce); never saved.
+        self.workspaces: dict[Hashable, Any] = {}
         self.bytes_sent = 0
         self.elements = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        """Everything but the process group, which cannot be pickled (as ``PowerSGDState``)."""
-        return {slot: getattr(self, slot) for slot in self.__slots__ if slot != "process_group"}
+        """Everything but the process group, which cannot be pickled (as ``PowerSGDState``), and
+        the scratch buffers."""
+        return {slot: getattr(self, slot) for slot in self.__slots__ if slot not in ("process_group", "workspaces")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore a pickled state on the default process group; set another one afterwards."""
         self.process_group = None
+        self.workspaces = {}
         for slot, value in state.items():
             setattr(self, slot, value)
 
@@ -249,17 +255,65 @@ def fp32_allreduce(state: OneBitState, tensor: torch.Tensor) -> torch.futures.Fu
     )
 
 
+class _Workspace:
+    """The buffers one key's exchange reuses from call to call: a step allocates nothing of the
+    vector's size (a fresh allocation that large is mapped, faulted in page by page and unmapped
+    on every call). About ``3 * W * C`` floats beside the error buffers."""
+
+    __slots__ = ("shape", "lengths", "counts", "corrected", "magnitudes", "negative", "decoded",
+                 "send", "received", "own", "average", "gathered")
+
+    def __init__(self, shape: tuple[int, int, int, int, int, torch.device]) -> None:
+        n, world_size, chunk_len, block_size, message_bytes, device = shape
+        self.shape = shape
+        total = world_size * chunk_len
+        self.lengths = (n - torch.arange(world_size, device=device) * chunk_len).clamp(0, chunk_len)
+        self.counts = block_counts(self.lengths, chunk_len, block_size)
+        # Its padding (past n) is never written, so it stays zero.
+        self.corrected = torch.zeros(total, dtype=torch.float32, device=device)
+        self.magnitudes = torch.empty(total, dtype=torch.float32, device=device)
+        self.negative = torch.empty(total, dtype=torch.bool, device=device)
+        # The send side's decoded chunks, then the received versions, then the gathered average.
+        self.decoded = torch.empty(total, dtype=torch.float32, device=device)
+        self.send = torch.empty(world_size, message_bytes, dtype=torch.uint8, device=device)
+        self.received = torch.empty_like(self.send)
+        self.own = torch.empty(message_bytes, dtype=torch.uint8, device=device)
+        self.average = torch.empty(chunk_len, dtype=torch.float32, device=device)
+        self.gathered = torch.empty(world_size * message_bytes, dtype=torch.uint8, device=device)
+
+
+def _workspace(state: OneBitState, key: Hashable, shape: tuple[int, int, int, int, int, torch.device]) -> _Workspace:
+    space = state.workspaces.get(key)
+    if space is None or space.shape != shape:
+        space = state.workspaces[key] = _Workspace(shape)
+    return space
+
+
+def exchange_buffer(state: OneBitState, key: Hashable, n: int, device: torch.device | None = None) -> torch.Tensor:
+    """A float32 vector of ``n`` elements for the values of the next exchange under ``key``:
+    a caller that writes them there, then calls ``onebit_allreduce(state, buffer, key)``, saves
+    a copy in and a copy out (the average is decoded where the values were)."""
+    world_size = state.world_size
+    chunk_len = 8 * max(1, _ceil_div(n, 8 * world_size))
+    message_bytes = chunk_len // 8 + 4 * _ceil_div(chunk_len, state.block_size)
+    device = torch.device("cpu") if device is None else device
+    space = _workspace(state, key, (n, world_size, chunk_len, state.block_size, message_bytes, device))
+    return space.corrected[:n]
+
+
 def onebit_allreduce(
     state: OneBitState, tensor: torch.Tensor, key: Hashable, order: torch.Tensor | None = None
 ) -> torch.futures.Future[torch.Tensor]:
     """Average ``tensor`` in place over the group with the two-phase 1-bit exchange.
 
-    Every rank must call this with tensors of the same size, in the same order.
+    Every rank must call this with tensors of the same size, in the same order. Calls with the
+    same ``key`` must not overlap: the next may start once the previous one's future is done.
 
     Args:
         state: hyperparameters, error buffers and byte counters.
         tensor: the local values; overwritten with the (compressed) average.
-        key: names the error-feedback buffers of this tensor across calls (a bucket index, say).
+        key: names the error-feedback buffers (and reused scratch buffers) of this tensor across
+            calls (a bucket index, say).
         order: if given, the elements are exchanged in the order ``tensor.view(-1)[order]`` and
             written back in place (a bucket's canonical layout, see :meth:`OneBitState.bucket_key`).
 
@@ -277,23 +331,32 @@ def onebit_allreduce(
     # Equal chunks of whole sign bytes; at least one byte each so no collective is ever empty.
     chunk_len = 8 * max(1, _ceil_div(n, 8 * world_size))
     sign_bytes = chunk_len // 8
-    device = tensor.device
+    message_bytes = sign_bytes + 4 * _ceil_div(chunk_len, block_size)
+    space = _workspace(state, key, (n, world_size, chunk_len, block_size, message_bytes, tensor.device))
 
-    corrected = torch.zeros(world_size * chunk_len, dtype=torch.float32, device=device)
-    corrected[:n] = tensor.reshape(-1) if order is None else tensor.reshape(-1)[order]
+    corrected = space.corrected
+    flat = tensor.reshape(-1)
+    # A caller that filled exchange_buffer() already wrote its values where they are corrected.
+    in_place = order is None and flat.data_ptr() == corrected.data_ptr() and flat.is_contiguous()
+    if in_place:
+        pass
+    elif order is None:
+        corrected[:n].copy_(flat)
+    else:
+        torch.index_select(flat, 0, order, out=corrected[:n])
     if state.error_feedback:
-        corrected[:n] += state.error_buffer(state.send_errors, key, corrected[:n])
-    lengths = (n - torch.arange(world_size, device=device) * chunk_len).clamp(0, chunk_len)
-    counts = block_counts(lengths, chunk_len, block_size)
-    packed, scales = compress_rows(corrected.view(world_size, chunk_len), block_size, counts)
+        send_error = state.error_buffer(state.send_errors, key, corrected[:n])
+        corrected[:n].add_(send_error)
+    rows = corrected.view(world_size, chunk_len)
+    packed, scales = compress_rows(rows, block_size, space.counts, space.magnitudes, space.negative)
     if state.error_feedback:
-        decoded = decompress_rows(packed, scales, chunk_len, block_size).view(-1)
-        state.send_errors[key].copy_(corrected[:n] - decoded[:n])
+        decoded = decompress_rows(packed, scales, chunk_len, block_size, space.decoded).view(-1)
+        torch.sub(corrected[:n], decoded[:n], out=send_error)
 
     # One message per destination: its chunk's sign bytes followed by the bytes of its scales.
-    send = torch.cat([packed, scales.view(torch.uint8)], dim=1)
-    message_bytes = send.shape[1]
-    received = torch.empty_like(send)
+    send, received = space.send, space.received
+    send[:, :sign_bytes].copy_(packed)
+    send[:, sign_bytes:].copy_(scales.view(torch.uint8))
     # Phase 1 waits here, in the thread that called the hook, on purpose: gloo completes futures
     # on its own worker threads, so a phase-2 collective issued from a callback could be enqueued
     # before the next bucket's phase 1 on one rank and after it on another, and the ranks would
@@ -306,22 +369,29 @@ def onebit_allreduce(
         received[:, sign_bytes:].contiguous().view(torch.float32),
         chunk_len,
         block_size,
+        space.decoded,
     )
-    own_len = int(lengths[rank])
-    average = versions.sum(dim=0).div_(world_size)
+    own_len = int(space.lengths[rank])
+    average = torch.sum(versions, dim=0, out=space.average).div_(world_size)
     # Padding decodes to ±scale; zero it so it neither enters the scales nor the reduce error.
     average[own_len:] = 0
     if state.error_feedback:
-        average += state.error_buffer(state.reduce_errors, key, average, start=rank * chunk_len)
-    own_counts = counts[rank : rank + 1]
-    own_packed, own_scales = compress_rows(average.view(1, chunk_len), block_size, own_counts)
+        reduce_error = state.error_buffer(state.reduce_errors, key, average, start=rank * chunk_len)
+        average.add_(reduce_error)
+    own_counts = space.counts[rank : rank + 1]
+    own_packed, own_scales = compress_rows(
+        average.view(1, chunk_len), block_size, own_counts,
+        space.magnitudes[:chunk_len], space.negative[:chunk_len],
+    )
     if state.error_feedback:
-        decoded_own = decompress_rows(own_packed, own_scales, chunk_len, block_size).view(-1)
-        decoded_own[own_len:] = 0
-        state.reduce_errors[key].copy_(average - decoded_own)
+        decoded_own = decompress_rows(own_packed, own_scales, chunk_len, block_size,
+                                      space.decoded[:chunk_len]).view(-1)
+        torch.sub(average, decoded_own, out=reduce_error)
+        reduce_error[own_len:] = 0
 
-    own_message = torch.cat([own_packed, own_scales.view(torch.uint8)], dim=1).view(-1)
-    gathered = torch.empty(world_size * message_bytes, dtype=torch.uint8, device=device)
+    own_message, gathered = space.own, space.gathered
+    own_message[:sign_bytes].copy_(own_packed.view(-1))
+    own_message[sign_bytes:].copy_(own_scales.view(torch.uint8).view(-1))
     fut = _all_gather_single(gathered, own_message, group=group, async_op=True).get_future()
     # Phase 1 sends W - 1 messages to peers, phase 2 sends W - 1 copies of the owned one.
     state.bytes_sent += 2 * (world_size - 1) * message_bytes
@@ -334,9 +404,14 @@ def onebit_allreduce(
             rows[:, sign_bytes:].contiguous().view(torch.float32),
             chunk_len,
             block_size,
+            corrected if in_place else space.decoded,
         )
-        if order is None:
-            tensor.copy_(result.view(-1)[:n].view_as(tensor))
+        if in_place:
+            corrected[n:] = 0  # padding decodes to ±scale; the next call needs zeros there
+        elif order is None:
+            flat.copy_(result.view(-1)[:n])
+            if flat.data_ptr() != tensor.data_ptr():  # (a reshape that copied)
+                tensor.copy_(flat.view_as(tensor))
         else:
             tensor.view(-1).index_copy_(0, order, result.view(-1)[:n])
         return tensor
