@@ -25,7 +25,9 @@ BENCHMARKS = ("transport", "parquet", "windows", "pipeline", "overlap", "scaling
 # cannot show convergence.
 # cost: 34 server configurations, about a quarter of an hour at full size.
 # stages: a slow stage beside an honest client, 30 s a case and round.
-BY_NAME_ONLY = ("convergence", "cost", "stages")
+# exchange: the 1-bit exchange against fp32 all-reduce on gloo ranks (links of a bed with
+# ``python -m benchmarks.exchange --links``).
+BY_NAME_ONLY = ("convergence", "cost", "stages", "exchange")
 QUICK = {"rounds": 2, "batches": 20, "gb": 0.005}
 
 
@@ -63,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where <name>.json, .md and .png are written (default benchmarks/results; "
                              "with --quick, a new temporary directory)")
     parser.add_argument("--before", metavar="REV", default=None,
-                        help="windows, pipeline, stages: also measure as commit REV serves (before and after, in one run)")
+                        help="windows, pipeline, stages, exchange: also measure as commit REV serves (before and after, in one run)")
     parser.add_argument("--quick", action="store_true",
                         help=f"tiny sizes and {QUICK['rounds']} rounds: checks that every benchmark works")
     return parser
@@ -134,6 +136,14 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         from benchmarks import cost
 
         cost.run(rounds, data, results, quick=quick)
+    elif name == "exchange":
+        from benchmarks import exchange
+
+        if quick:
+            exchange.run(rounds, args.before, sizes=(100_000,), worlds=(2,), step_params=200_000, reps=3,
+                         results_dir=results)
+        else:
+            exchange.run(rounds, args.before, results_dir=results)
     elif name == "stages":
         from benchmarks import stages
 

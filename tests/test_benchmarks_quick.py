@@ -146,3 +146,17 @@ def test_headline_figures_are_computed(quick_run: tuple[subprocess.CompletedProc
         assert f"| {bench} |" in summary, bench
     # Target 7 is held for one server of several serving processes too, beside one of one.
     assert "| scaling | 8 clients, --processes 2 / 1 client, --processes 2 (windows/s) |" in summary
+
+
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_quick_exchange_benchmark_runs_and_reports_both_contenders(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "exchange", "--quick", "--results-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S - 20)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = _record(tmp_path, "exchange")
+    assert [(c["what"], c["world"]) for c in record["cases"]] == [("exchange", 2), ("step", 2)]
+    for case in record["cases"]:
+        for key in ("uncompressed_ms", "onebit_ms"):
+            assert all(v > 0 for v in case["after"][key]["values"]), case
+    assert "| loopback | 2 | Adam step |" in (tmp_path / "exchange.md").read_text()

@@ -124,6 +124,8 @@ class OneBitAdam(CompressedMomentum):
             )
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay},
                          warmup_steps=freeze_step, state=state)
+        # Per parameter, its frozen denominator (see _frozen_denom).
+        self._denoms: dict[torch.Tensor, torch.Tensor] = {}
 
     @property
     def freeze_step(self) -> int:
@@ -168,24 +170,44 @@ class OneBitAdam(CompressedMomentum):
         # so averaging it is averaging the momentum). A block's one scale then fits all of its
         # elements: raw momenta of a parameter with a tiny variance sit in blocks scaled by
         # larger neighbours, and dividing their sign·scale by that tiny variance blew them up.
-        momenta, denoms = [], []
+        # It is written straight into the exchange's buffer, and averaged there.
+        flat = self._exchange_buffer(sum(p.numel() for _, p in tracked), tracked[0][1].device)
+        views, offset = [], 0
         for group, p in tracked:
-            beta1 = group["betas"][0]
-            self.state[p]["step"] += 1
-            exp_avg = self.state[p]["exp_avg"].mul_(beta1)
+            state = self.state[p]
+            state["step"] += 1
+            exp_avg = state["exp_avg"]
             if p.grad is not None:
-                exp_avg.add_(p.grad, alpha=1 - beta1)
-            denom = self._denom(group, p)
-            denoms.append(denom)
-            momenta.append((exp_avg / denom).clamp_(-self._bound(group), self._bound(group)).reshape(-1))
-        flat = torch.cat(momenta)
+                exp_avg.lerp_(p.grad, 1 - group["betas"][0])  # (as torch.optim.Adam)
+            else:
+                exp_avg.mul_(group["betas"][0])
+            view = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+            bound = self._bound(group)
+            torch.div(exp_avg, self._frozen_denom(group, p), out=view).clamp_(-bound, bound)
+            views.append(view)
         self._exchange(flat)
-        offset = 0
-        for (group, p), denom in zip(tracked, denoms):
-            exp_avg = self.state[p]["exp_avg"]
-            exp_avg.copy_(flat[offset : offset + exp_avg.numel()].view_as(exp_avg)).mul_(denom)
-            offset += exp_avg.numel()
-            self._update(group, p)
+        for (group, p), view in zip(tracked, views):
+            state = self.state[p]
+            # The averaged momentum is the exchanged vector times the denominator; the update,
+            # momentum over denominator, is the exchanged vector itself.
+            torch.mul(view, self._frozen_denom(group, p), out=state["exp_avg"])
+            if group["weight_decay"]:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+            bias_correction1 = 1 - group["betas"][0] ** state["step"]
+            p.add_(view, alpha=-group["lr"] / bias_correction1)
+
+    def _frozen_denom(self, group: dict[str, Any], p: torch.Tensor) -> torch.Tensor:
+        """``p``'s denominator once the variance is frozen: computed once, then reused (one
+        tensor per parameter; not saved, a loaded state computes it again)."""
+        denom = self._denoms.get(p)
+        if denom is None:
+            denom = self._denoms[p] = self._denom(group, p)
+        return denom
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._denoms.clear()
 
     @staticmethod
     def _bound(group: dict[str, Any]) -> float:
@@ -195,6 +217,7 @@ class OneBitAdam(CompressedMomentum):
 
     def _floor_variances(self, tracked: list[tuple[dict[str, Any], torch.Tensor]]) -> None:
         """Once, as the variance freezes: no element below ``VARIANCE_FLOOR`` of its tensor's median."""
+        self._denoms.clear()
         for _, p in tracked:
             v = self.state[p]["exp_avg_sq"]
             floor = VARIANCE_FLOOR * float(v.median())

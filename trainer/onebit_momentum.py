@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fuelline.trainer.onebit import OneBitState, fp32_allreduce, onebit_allreduce
+from fuelline.trainer.onebit import OneBitState, exchange_buffer, fp32_allreduce, onebit_allreduce
 
 __all__ = ["CompressedMomentum", "momentum_hook", "register_momentum_hook"]
 
@@ -141,6 +141,10 @@ class CompressedMomentum(torch.optim.Optimizer):
         self.steps += 1
         self._sync_hook()
         return loss
+
+    def _exchange_buffer(self, n: int, device: torch.device) -> torch.Tensor:
+        """Where to write the ``n`` values of this step's exchange (no copy in or out)."""
+        return exchange_buffer(self.onebit_state, self.exchange_key, n, device)
 
     def _exchange(self, flat: torch.Tensor) -> None:
         """Average ``flat`` (the same size on every rank) in place, in 1-bit form."""

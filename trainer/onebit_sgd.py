@@ -118,9 +118,13 @@ class OneBitSGD(CompressedMomentum):
         tracked = [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not tracked:
             return
-        flat = torch.cat([(self._momentum(g, p) * g["lr"]).reshape(-1) for g, p in tracked])
-        self._exchange(flat)
-        offset = 0
-        for _, p in tracked:
-            p.sub_(flat[offset : offset + p.numel()].view_as(p))
+        flat = self._exchange_buffer(sum(p.numel() for _, p in tracked), tracked[0][1].device)
+        views, offset = [], 0
+        for g, p in tracked:
+            view = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
+            torch.mul(self._momentum(g, p), g["lr"], out=view)
+            views.append(view)
+        self._exchange(flat)
+        for (_, p), view in zip(tracked, views):
+            p.sub_(view)
