@@ -8,7 +8,7 @@ it), taken down and brought back (a real partition: packets are dropped, connect
 silence, not a reset), and a host can be confined to CPUs (``taskset``)::
 
     with Bed(3, rate="1gbit", cpus=["0", "1", "1"]) as bed:
-        server = subprocess.Popen(bed.hosts[0].command(["fuelline", "serve", ..., "--host", "0.0.0.0"]))
+        server = subprocess.Popen(bed.hosts[0].command(["fuelline", "serve", ..., "--host", bed.hosts[0].address]))
         bed.hosts[1].address          # '10.213.7.2'
         bed.partition(1)              # host 1 loses its link; bed.heal(1) brings it back
 
@@ -63,9 +63,17 @@ def unavailable() -> str | None:
     return None
 
 
-@dataclass(frozen=True)
+@dataclass
 class Host:
-    """One host of a bed: its namespace, address and CPUs."""
+    """One host of a bed: its namespaces, address and CPUs.
+
+    A host is a network namespace and a mount namespace with a ``/dev/shm`` of its own, held by a
+    process that sleeps there: processes of one host share memory files and Unix sockets, as on
+    a machine, and processes of two hosts do not (a data server's local socket and shared memory
+    are not reachable from another host, as they would not be off this machine). ``TMPDIR``
+    points there too. The file system is otherwise the machine's, so data and results are
+    exchanged through files as usual.
+    """
 
     bed_tag: str
     index: int
@@ -73,19 +81,22 @@ class Host:
     address: str
     cpus: str | None
     switch_port: str  # its link's end on the switch
+    holder: subprocess.Popen[str] | None = None
 
     def command(self, argv: Sequence[str]) -> list[str]:
-        """``argv`` run on this host (in its namespace, on its CPUs)."""
-        prefix = ["ip", "netns", "exec", self.namespace]
+        """``argv`` run on this host: in its namespaces, on its CPUs, with ``TMPDIR`` on its own
+        memory file system and gloo and NCCL on its ``eth0``."""
+        if self.holder is None:
+            raise RuntimeError("bed: the bed is not started")
+        prefix = ["nsenter", f"--target={self.holder.pid}", "--net", "--mount", "--",
+                  "env", "TMPDIR=/dev/shm", "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0",
+                  "TP_SOCKET_IFNAME=eth0"]
         if self.cpus is not None:
             prefix += ["taskset", "-c", self.cpus]
         return [*prefix, *argv]
 
-    def env(self, base: dict[str, str] | None = None) -> dict[str, str]:
-        """An environment for processes on this host: gloo and NCCL pick its ``eth0``."""
-        env = dict(os.environ if base is None else base)
-        env.update(GLOO_SOCKET_IFNAME="eth0", NCCL_SOCKET_IFNAME="eth0", TP_SOCKET_IFNAME="eth0")
-        return env
+
+_HOLD = "mount -t tmpfs -o size=4g,mode=1777 tmpfs /dev/shm && echo ready && exec sleep infinity"
 
 
 class Bed:
@@ -159,6 +170,13 @@ class Bed:
             _run("ip", "-n", host.namespace, "link", "set", "lo", "up")
             if self.rate is not None:
                 self.limit(host.index, self.rate)
+            host.holder = subprocess.Popen(
+                ["ip", "netns", "exec", host.namespace, "unshare", "--mount", "--propagation", "private", "--",
+                 "sh", "-c", _HOLD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            assert host.holder.stdout is not None
+            if host.holder.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"bed: host {host.index} got no /dev/shm of its own: "
+                                   f"{host.holder.stderr.read() if host.holder.stderr else ''}")
 
     def limit(self, index: int, rate: str) -> None:
         """Limit host ``index``'s link to ``rate`` both ways (replacing any earlier limit)."""
@@ -184,6 +202,14 @@ class Bed:
         for namespace in reversed(self._made):
             _kill_all_in(namespace)
             _run("ip", "netns", "delete", namespace, check=False)
+        for host in self.hosts:
+            if host.holder is not None:
+                for pipe in (host.holder.stdout, host.holder.stderr):
+                    if pipe is not None:
+                        pipe.close()
+                if host.holder.poll() is None:
+                    host.holder.kill()
+                host.holder.wait(timeout=_COMMAND_TIMEOUT_S)
         with _lock:
             _open.discard(self)
 

@@ -177,12 +177,10 @@ def launch(what: str, world: int, elements: int, reps: int, threads: int, python
             argv = [sys.executable, "-m", "benchmarks.exchange", "--rank", str(rank), "--world", str(world),
                     "--master", master, "--what", what, "--elements", str(elements), "--reps", str(reps),
                     "--threads", str(threads)]
-            rank_env = env
             if bed is not None:
                 argv = bed.hosts[rank].command(argv)
-                rank_env = bed.hosts[rank].env(env)
             log = open(Path(tmp) / f"rank{rank}.log", "w+")
-            procs.append((subprocess.Popen(argv, cwd=ROOT, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
+            procs.append((subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         deadline = time.monotonic() + LAUNCH_TIMEOUT_S
         try:
             for proc, _ in procs:

@@ -4,6 +4,7 @@ removes everything, processes included."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -108,3 +109,18 @@ def test_closing_removes_namespaces_and_the_processes_left_in_them() -> None:
         assert all(name in _namespaces() for name in names)
     assert left.wait(timeout=30) is not None  # killed by the close
     assert not any(name in _namespaces() for name in names)
+
+
+@pytest.mark.timeout(120)
+def test_memory_files_are_shared_within_a_host_and_not_across_hosts() -> None:
+    def run(bed: Bed, host: int, code: str) -> str:
+        return subprocess.run(bed.hosts[host].command([sys.executable, "-c", code]), capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+
+    write = "import os, tempfile; print(tempfile.gettempdir()); open('/dev/shm/fl-bed-probe', 'w').write('x')"
+    look = "import os; print(os.path.exists('/dev/shm/fl-bed-probe'))"
+    with Bed(2) as bed:
+        assert run(bed, 0, write) == "/dev/shm"  # TMPDIR: the host's own memory file system
+        assert run(bed, 0, look) == "True"  # a later process of the same host sees it
+        assert run(bed, 1, look) == "False"  # another host does not
+    assert not os.path.exists("/dev/shm/fl-bed-probe")  # nor does the machine

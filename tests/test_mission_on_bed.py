@@ -50,7 +50,7 @@ def _torchrun(bed: Bed, node: int, servers: str, run_id: str, *options: str) -> 
             # whether it holds the rendezvous store (torch decides by matching names otherwise).
             "--local_addr", host.address, "--rdzv_conf", f"is_host={'true' if node == 0 else 'false'}",
             "-m", "fuelline.trainer", "--servers", servers, "--width", "8", *options]
-    return subprocess.Popen(host.command(argv), env=host.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return subprocess.Popen(host.command(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
 
 
