@@ -9,7 +9,8 @@ alternating rounds (one round: ``W`` new rank processes of one revision):
   each process;
 * ``step``: a training step of an MLP of about 4.3 M parameters (batch 64), DDP with
   ``torch.optim.Adam`` against DDP with 1-bit Adam past its freeze step, alternating steps;
-* with ``--before REV``, the same as commit REV does them (its own tree on ``PYTHONPATH``).
+* with ``--before REV``, the same as commit REV does them (its own tree on ``PYTHONPATH``), on
+  loopback.
 
 Ranks talk over loopback, or over the links of a bed (``benchmarks.bed``: one network namespace
 per rank, a rate-limited veth link each) with ``--links 1gbit,10gbit``; the bed needs root.
@@ -211,8 +212,8 @@ def _summary(values: list[float]) -> dict[str, Any]:
 
 def run(rounds: int = 3, before: str | None = None, sizes: Sequence[int] = SIZES, worlds: Sequence[int] = WORLDS,
         step_params: int = STEP_PARAMS, reps: int = REPS, threads: int = 1, links: Sequence[str] = (),
-        results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
-    """Measure, write ``exchange.json`` and ``exchange.md``, return the record."""
+        results_dir: Path = RESULTS_DIR, name: str = "exchange") -> dict[str, Any]:
+    """Measure, write ``<name>.json`` and ``<name>.md``, return the record."""
     revisions: list[tuple[str, str | None]] = [("after", None)]
     cases: list[dict[str, Any]] = []
     with ExitStack() as stack:
@@ -223,12 +224,14 @@ def run(rounds: int = 3, before: str | None = None, sizes: Sequence[int] = SIZES
         for rate in links:
             networks.append((rate, rate))
         for network, rate in networks:
+            # Before and after on loopback, where the exchange's own cost shows; after alone on links.
+            present = revisions if rate is None else revisions[:1]
             for world in worlds:
                 jobs = [("exchange", n) for n in sizes] + [("step", step_params)]
                 for what, elements in jobs:
-                    per: dict[str, list[dict[str, float]]] = {name: [] for name, _ in revisions}
+                    per: dict[str, list[dict[str, float]]] = {name: [] for name, _ in present}
                     for r in range(rounds):
-                        for name, path in (revisions if r % 2 == 0 else revisions[::-1]):
+                        for name, path in (present if r % 2 == 0 else present[::-1]):
                             with ExitStack() as hosts:
                                 net = None if rate is None else hosts.enter_context(_bed(world, rate))
                                 result = launch(what, world, elements, reps, threads, path, net)
@@ -237,7 +240,7 @@ def run(rounds: int = 3, before: str | None = None, sizes: Sequence[int] = SIZES
                     cases.append(_case(network, world, what, elements, per))
     record = {"benchmark": "exchange", "environment": environment(), "rounds": rounds, "reps": reps,
               "threads_per_rank": threads, "before": before, "cases": cases}
-    write(record, results_dir)
+    write(record, results_dir, name)
     return record
 
 
@@ -296,9 +299,9 @@ def _markdown(record: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(record: dict[str, Any], results_dir: Path = RESULTS_DIR) -> list[Path]:
+def write(record: dict[str, Any], results_dir: Path = RESULTS_DIR, name: str = "exchange") -> list[Path]:
     results_dir.mkdir(parents=True, exist_ok=True)
-    paths = [results_dir / "exchange.json", results_dir / "exchange.md"]
+    paths = [results_dir / f"{name}.json", results_dir / f"{name}.md"]
     paths[0].write_text(json.dumps(record, indent=2) + "\n")
     paths[1].write_text(_markdown(record))
     return paths
@@ -319,9 +322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--links", default="", help="also on bed links of these rates, e.g. 1gbit,10gbit (root)")
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--name", default="exchange", help="results file name (default exchange: .json, .md)")
     args = parser.parse_args(argv)
     run(args.rounds, args.before, [int(s) for s in args.sizes.split(",")], [int(w) for w in args.worlds.split(",")],
-        args.step_params, args.reps, args.threads, [r for r in args.links.split(",") if r], args.results_dir)
+        args.step_params, args.reps, args.threads, [r for r in args.links.split(",") if r], args.results_dir,
+        args.name)
     return 0
 
 
