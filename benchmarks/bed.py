@@ -88,7 +88,9 @@ class Host:
         memory file system and gloo and NCCL on its ``eth0``."""
         if self.holder is None:
             raise RuntimeError("bed: the bed is not started")
-        prefix = ["nsenter", f"--target={self.holder.pid}", "--net", "--mount", "--",
+        # --wd=.: the caller's working directory, opened before entering (entering a mount
+        # namespace moves a process to its root).
+        prefix = ["nsenter", f"--target={self.holder.pid}", "--net", "--mount", "--wd=.", "--",
                   "env", "TMPDIR=/dev/shm", "GLOO_SOCKET_IFNAME=eth0", "NCCL_SOCKET_IFNAME=eth0",
                   "TP_SOCKET_IFNAME=eth0"]
         if self.cpus is not None:

@@ -214,7 +214,7 @@ def run(rounds: int = 3, before: str | None = None, sizes: Sequence[int] = SIZES
         step_params: int = STEP_PARAMS, reps: int = REPS, threads: int = 1, links: Sequence[str] = (),
         results_dir: Path = RESULTS_DIR, name: str = "exchange") -> dict[str, Any]:
     """Measure, write ``<name>.json`` and ``<name>.md``, return the record."""
-    revisions: list[tuple[str, str | None]] = [("after", None)]
+    revisions: list[tuple[str, str | None]] = [("after", None)]  # (revision, its PYTHONPATH)
     cases: list[dict[str, Any]] = []
     with ExitStack() as stack:
         if before is not None:
@@ -229,14 +229,14 @@ def run(rounds: int = 3, before: str | None = None, sizes: Sequence[int] = SIZES
             for world in worlds:
                 jobs = [("exchange", n) for n in sizes] + [("step", step_params)]
                 for what, elements in jobs:
-                    per: dict[str, list[dict[str, float]]] = {name: [] for name, _ in present}
+                    per: dict[str, list[dict[str, float]]] = {revision: [] for revision, _ in present}
                     for r in range(rounds):
-                        for name, path in (present if r % 2 == 0 else present[::-1]):
+                        for revision, path in (present if r % 2 == 0 else present[::-1]):
                             with ExitStack() as hosts:
                                 net = None if rate is None else hosts.enter_context(_bed(world, rate))
                                 result = launch(what, world, elements, reps, threads, path, net)
-                            per[name].append(result)
-                            progress(f"exchange {network} W={world} {what} {elements:,} {name}: {result}")
+                            per[revision].append(result)
+                            progress(f"exchange {network} W={world} {what} {elements:,} {revision}: {result}")
                     cases.append(_case(network, world, what, elements, per))
     record = {"benchmark": "exchange", "environment": environment(), "rounds": rounds, "reps": reps,
               "threads_per_rank": threads, "before": before, "cases": cases}
@@ -290,7 +290,8 @@ def _markdown(record: dict[str, Any]) -> str:
     lines += ["", f"- {record['rounds']} rounds, revisions alternating; per round the median of {record['reps']} "
               f"repetitions inside the ranks, which alternate uncompressed and onebit; table: median over rounds "
               f"(range). {record['threads_per_rank']} intra-op thread(s) per rank; "
-              f"{env.get('cpus', '?')} CPUs on the host, so W > CPUs shares them.",
+              f"{env['machine']['cpu_count']} CPUs on the host, so W > CPUs shares them; load average at start "
+              f"{env['machine']['loadavg_at_start']}.",
               "- exchange: `dist.all_reduce` of fp32 vs `onebit_allreduce` once warm (send and reduce error "
               "feedback). Adam step: DDP + torch.optim.Adam vs DDP + 1-bit Adam past its freeze step, "
               "forward, backward and optimizer step of an MLP, batch 64.",

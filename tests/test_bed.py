@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +125,11 @@ def test_memory_files_are_shared_within_a_host_and_not_across_hosts() -> None:
         assert run(bed, 0, look) == "True"  # a later process of the same host sees it
         assert run(bed, 1, look) == "False"  # another host does not
     assert not os.path.exists("/dev/shm/fl-bed-probe")  # nor does the machine
+
+
+@pytest.mark.timeout(120)
+def test_a_command_runs_in_the_callers_working_directory(tmp_path: Path) -> None:
+    with Bed(1) as bed:
+        done = subprocess.run(bed.hosts[0].command([sys.executable, "-c", "import os; print(os.getcwd())"]),
+                              cwd=tmp_path, capture_output=True, text=True, timeout=30, check=True)
+    assert done.stdout.strip() == str(tmp_path)
