@@ -263,6 +263,8 @@ def _any_quick(results_dir: Path) -> bool:
             rec = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if not isinstance(rec, dict):  # (attacks.json is a list of findings)
+            continue
         if rec.get("quick") or rec.get("parameters", {}).get("quick") or rec.get("from_trainer", {}).get("quick"):
             return True
     return False

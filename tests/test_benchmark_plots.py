@@ -34,3 +34,11 @@ def test_contender_plot_with_unmeasured_and_zero_figures(tmp_path: Path) -> None
     path = plots.contenders(record, tmp_path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "probe" in md
+
+
+def test_the_summary_is_written_beside_results_that_are_not_records(tmp_path: Path) -> None:
+    # attacks.json is a list of findings; the summary reads every *.json in the folder.
+    (tmp_path / "attacks.json").write_text('[{"attack": "flood"}]')
+    paths = plots.summary(tmp_path)
+    assert (tmp_path / "summary.md").read_text().startswith("## Benchmark summary")
+    assert all(p.is_file() for p in paths)
