@@ -98,6 +98,10 @@ class OneBitState(NamedErrors):
        magnitude is from its block's mean), and heavy-ball momentum tolerates delay badly: a
        learning rate close to where fp32 training diverges can diverge with compression.
 
+    Memory: besides the two error buffers (one the size of each key's vector, one a ``1/W``
+    share of it), each key keeps the scratch buffers of its exchange, about three times its
+    vector's size, so that a step allocates nothing that large (see ``_Workspace``).
+
     Statistics: ``bytes_sent`` and ``elements`` add up over all calls since construction or
     :meth:`reset_stats`; compare :attr:`bytes_per_element` with
     :attr:`ring_allreduce_bytes_per_element` (see :attr:`compression_ratio`).
@@ -338,12 +342,11 @@ def onebit_allreduce(
     flat = tensor.reshape(-1)
     # A caller that filled exchange_buffer() already wrote its values where they are corrected.
     in_place = order is None and flat.data_ptr() == corrected.data_ptr() and flat.is_contiguous()
-    if in_place:
-        pass
-    elif order is None:
-        corrected[:n].copy_(flat)
-    else:
-        torch.index_select(flat, 0, order, out=corrected[:n])
+    if not in_place:
+        if order is None:
+            corrected[:n].copy_(flat)
+        else:
+            torch.index_select(flat, 0, order, out=corrected[:n])
     if state.error_feedback:
         send_error = state.error_buffer(state.send_errors, key, corrected[:n])
         corrected[:n].add_(send_error)
