@@ -39,3 +39,29 @@ def test_a_run_that_goes_non_finite_stops_at_that_step_and_keeps_the_last_finite
     for rank in (0, 1):
         state = torch.load(ck / f"step{step - 1:09d}-rank{rank}.pt", weights_only=True)
         assert all(bool(torch.isfinite(t).all()) for t in state["model"].values())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_check_names_a_non_finite_parameter_wherever_it_is(bad: float, dtype) -> None:
+    from fuelline.trainer.finite import NonFiniteError, check_finite
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 300), torch.nn.Linear(300, 2)).to(dtype)
+    with torch.no_grad():
+        model[1].weight[1, 299] = bad
+    with pytest.raises(NonFiniteError, match=r"step 7: parameter '1.weight' is no longer finite \(1 of 600 values\)"):
+        check_finite(model, 7)
+
+
+def test_finite_parameters_whose_sum_overflows_pass_the_check() -> None:
+    from fuelline.trainer.finite import check_finite
+
+    model = torch.nn.Linear(100, 100)
+    with torch.no_grad():
+        model.weight.fill_(3e37)  # every element finite, their sum past float32's range
+    assert not torch.isfinite(model.weight.sum())
+    check_finite(model, 1)  # no error
+    half = torch.nn.Linear(100, 100).half()
+    with torch.no_grad():
+        half.weight.fill_(60000.0)  # finite in float16, the sum of 10,000 of them is not
+    check_finite(half, 1)

@@ -6,7 +6,7 @@ check runs on the parameters after each optimizer step, which every rank holds i
 (DDP averages the gradients, and a compressed exchange decodes the same bytes everywhere): all
 ranks see the same verdict at the same step and stop together, without an extra collective. A
 non-finite loss on one rank reaches every rank's parameters through that same averaging within
-the step. The cost is one pass over the parameters a step.
+the step. The cost is one read of the parameters a step (a sum of each tensor).
 """
 
 from __future__ import annotations
@@ -27,7 +27,14 @@ def check_finite(model: torch.nn.Module, step: int, loss: float | None = None) -
     """Raise :class:`NonFiniteError` if any parameter of ``model`` holds a NaN or an infinity
     after ``step``, naming the first such parameter and the loss where it is not finite either."""
     params = [p for p in model.parameters() if p.numel()]
-    if not params or bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+    if not params:
+        return
+    # One read of each tensor: a sum is finite only if every element is (a NaN or an infinity makes
+    # it NaN or infinite). torch.isfinite(p).all() makes a mask of every element first, and took a
+    # fifth of a step's time on a CPU. A sum that overflows with every element finite is told
+    # apart by the exact check that follows.
+    sums = torch.stack([p.sum(dtype=torch.float64 if p.dtype == torch.float64 else torch.float32) for p in params])
+    if bool(torch.isfinite(sums).all()) or all(bool(torch.isfinite(p).all()) for p in params):
         return
     name = next((n for n, p in model.named_parameters() if p.numel() and not bool(torch.isfinite(p).all())), "?")
     p = dict(model.named_parameters())[name] if name != "?" else None
