@@ -52,9 +52,10 @@ def unavailable() -> str | None:
         return "the bed needs Linux network namespaces"
     if os.geteuid() != 0:
         return "the bed needs root (ip netns, tc)"
-    for tool in ("ip", "tc"):
+    for tool, package in (("ip", "iproute2"), ("tc", "iproute2"), ("unshare", "util-linux"),
+                          ("nsenter", "util-linux"), ("taskset", "util-linux")):
         if shutil.which(tool) is None:
-            return f"the bed needs the {tool!r} command (iproute2)"
+            return f"the bed needs the {tool!r} command ({package})"
     probe = f"flprobe{os.getpid() % 100000}"
     made = _run("ip", "netns", "add", probe, check=False)
     if made.returncode:

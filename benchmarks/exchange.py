@@ -21,6 +21,7 @@ shares them.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -146,12 +147,14 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=120))
-    try:
-        result = (_exchange_times if args.what == "exchange" else _step_times)(args.elements, args.reps)
-        if args.rank == 0:
-            print("RESULT " + json.dumps(result), flush=True)
-    finally:
-        dist.destroy_process_group()
+    result = (_exchange_times if args.what == "exchange" else _step_times)(args.elements, args.reps)
+    # Every rank done with the group before any tears it down (the models and their DDP state are
+    # gone with the function that made them).
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    if args.rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
     return 0
 
 
