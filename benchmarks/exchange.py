@@ -148,13 +148,14 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
     dist.init_process_group("gloo", init_method=f"tcp://{args.master}", rank=args.rank, world_size=args.world,
                             timeout=datetime.timedelta(seconds=120))
     result = (_exchange_times if args.what == "exchange" else _step_times)(args.elements, args.reps)
-    # Every rank done with the group before any tears it down (the models and their DDP state are
-    # gone with the function that made them).
+    # DDP and its hook's state sit in reference cycles: freed after the group is destroyed, they
+    # abort the process ("terminate called without an active exception"), as the trainer's
+    # lifecycle knows. Free them, meet, and tear the group down only once every rank is done.
     gc.collect()
     dist.barrier()
-    dist.destroy_process_group()
     if args.rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
+    dist.destroy_process_group()
     return 0
 
 
