@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["Bed", "Host", "unavailable"]
+__all__ = ["Bed", "Host", "check_rate", "unavailable"]
 
 _COMMAND_TIMEOUT_S = 30
 _counter = itertools.count()
@@ -109,6 +109,8 @@ class Bed:
     def __init__(self, hosts: int, rate: str | None = None, cpus: Sequence[str | None] | None = None) -> None:
         if hosts < 1 or hosts > 250:
             raise ValueError(f"a bed has 1 to 250 hosts, got {hosts}")
+        if rate is not None:
+            check_rate(rate)
         if cpus is not None and len(cpus) != hosts:
             raise ValueError(f"cpus names {len(cpus)} hosts, the bed has {hosts}")
         with _lock:
@@ -217,6 +219,11 @@ class Bed:
             _open.discard(self)
 
 
+def check_rate(rate: str) -> None:
+    """Raise ValueError unless ``rate`` is a rate tc understands here (``100mbit``, ``1gbit``...)."""
+    _burst_bytes(rate)
+
+
 def _burst_bytes(rate: str) -> int:
     """A token bucket of 2 ms at ``rate`` (at least 64 KiB): enough for full-sized segments at
     any rate, small enough that the rate holds over a few milliseconds."""
@@ -224,7 +231,12 @@ def _burst_bytes(rate: str) -> int:
     text = rate.strip().lower()
     for suffix, factor in units.items():
         if text.endswith(suffix):
-            bits_per_s = float(text[: -len(suffix)]) * factor
+            try:
+                bits_per_s = float(text[: -len(suffix)]) * factor
+            except ValueError:
+                break
+            if bits_per_s <= 0:
+                break
             return max(64 * 1024, int(bits_per_s / 8 * 0.002))
     raise ValueError(f"bed: a rate is a number with kbit, mbit or gbit, got {rate!r}")
 

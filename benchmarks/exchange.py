@@ -329,8 +329,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     parser.add_argument("--name", default="exchange", help="results file name (default exchange: .json, .md)")
     args = parser.parse_args(argv)
+    links = [r for r in args.links.split(",") if r]
+    if links:
+        # Refused now, not after the loopback rounds have run.
+        from benchmarks.bed import check_rate, unavailable
+
+        why = unavailable()
+        if why:
+            parser.error(f"--links: {why}")
+        for rate in links:
+            try:
+                check_rate(rate)
+            except ValueError as exc:
+                parser.error(f"--links: {exc}")
     run(args.rounds, args.before, [int(s) for s in args.sizes.split(",")], [int(w) for w in args.worlds.split(",")],
-        args.step_params, args.reps, args.threads, [r for r in args.links.split(",") if r], args.results_dir,
+        args.step_params, args.reps, args.threads, links, args.results_dir,
         args.name)
     return 0
 

@@ -133,3 +133,15 @@ def test_a_command_runs_in_the_callers_working_directory(tmp_path: Path) -> None
         done = subprocess.run(bed.hosts[0].command([sys.executable, "-c", "import os; print(os.getcwd())"]),
                               cwd=tmp_path, capture_output=True, text=True, timeout=30, check=True)
     assert done.stdout.strip() == str(tmp_path)
+
+
+@pytest.mark.parametrize("rate", ["1gbt", "gbit", "0mbit", "-1gbit", "fast"])
+def test_a_rate_tc_cannot_take_is_refused_by_name_before_anything_is_built(rate: str) -> None:
+    from benchmarks.bed import check_rate
+
+    with pytest.raises(ValueError, match=repr(rate)):
+        check_rate(rate)
+    before = _namespaces()
+    with pytest.raises(ValueError, match=repr(rate)):
+        Bed(1, rate=rate)
+    assert _namespaces() == before  # nothing was built
