@@ -44,7 +44,6 @@ import torch
 import torch.distributed as dist
 
 from fuelline.trainer.bitpack import (
-    block_counts,
     check_block_size,
     compress,
     compress_rows,
@@ -54,6 +53,7 @@ from fuelline.trainer.bitpack import (
     unpack_signs,
 )
 from fuelline.trainer.onebit_layout import Layout, NamedErrors
+from fuelline.trainer.onebit_workspace import exchange_shape, workspace
 
 __all__ = [
     "OneBitState",
@@ -100,7 +100,7 @@ class OneBitState(NamedErrors):
 
     Memory: besides the two error buffers (one the size of each key's vector, one a ``1/W``
     share of it), each key keeps the scratch buffers of its exchange, about three times its
-    vector's size, so that a step allocates nothing that large (see ``_Workspace``).
+    vector's size, so that a step allocates nothing that large (see :mod:`fuelline.trainer.onebit_workspace`).
 
     Statistics: ``bytes_sent`` and ``elements`` add up over all calls since construction or
     :meth:`reset_stats`; compare :attr:`bytes_per_element` with
@@ -259,50 +259,12 @@ def fp32_allreduce(state: OneBitState, tensor: torch.Tensor) -> torch.futures.Fu
     )
 
 
-class _Workspace:
-    """The buffers one key's exchange reuses from call to call: a step allocates nothing of the
-    vector's size (a fresh allocation that large is mapped, faulted in page by page and unmapped
-    on every call). About ``3 * W * C`` floats beside the error buffers."""
-
-    __slots__ = ("shape", "lengths", "counts", "corrected", "magnitudes", "negative", "decoded",
-                 "send", "received", "own", "average", "gathered")
-
-    def __init__(self, shape: tuple[int, int, int, int, int, torch.device]) -> None:
-        n, world_size, chunk_len, block_size, message_bytes, device = shape
-        self.shape = shape
-        total = world_size * chunk_len
-        self.lengths = (n - torch.arange(world_size, device=device) * chunk_len).clamp(0, chunk_len)
-        self.counts = block_counts(self.lengths, chunk_len, block_size)
-        # Its padding (past n) is never written, so it stays zero.
-        self.corrected = torch.zeros(total, dtype=torch.float32, device=device)
-        self.magnitudes = torch.empty(total, dtype=torch.float32, device=device)
-        self.negative = torch.empty(total, dtype=torch.bool, device=device)
-        # The send side's decoded chunks, then the received versions, then the gathered average.
-        self.decoded = torch.empty(total, dtype=torch.float32, device=device)
-        self.send = torch.empty(world_size, message_bytes, dtype=torch.uint8, device=device)
-        self.received = torch.empty_like(self.send)
-        self.own = torch.empty(message_bytes, dtype=torch.uint8, device=device)
-        self.average = torch.empty(chunk_len, dtype=torch.float32, device=device)
-        self.gathered = torch.empty(world_size * message_bytes, dtype=torch.uint8, device=device)
-
-
-def _workspace(state: OneBitState, key: Hashable, shape: tuple[int, int, int, int, int, torch.device]) -> _Workspace:
-    space = state.workspaces.get(key)
-    if space is None or space.shape != shape:
-        space = state.workspaces[key] = _Workspace(shape)
-    return space
-
-
 def exchange_buffer(state: OneBitState, key: Hashable, n: int, device: torch.device | None = None) -> torch.Tensor:
     """A float32 vector of ``n`` elements for the values of the next exchange under ``key``:
     a caller that writes them there, then calls ``onebit_allreduce(state, buffer, key)``, saves
     a copy in and a copy out (the average is decoded where the values were)."""
-    world_size = state.world_size
-    chunk_len = 8 * max(1, _ceil_div(n, 8 * world_size))
-    message_bytes = chunk_len // 8 + 4 * _ceil_div(chunk_len, state.block_size)
-    device = torch.device("cpu") if device is None else device
-    space = _workspace(state, key, (n, world_size, chunk_len, state.block_size, message_bytes, device))
-    return space.corrected[:n]
+    shape = exchange_shape(n, state.world_size, state.block_size, torch.device("cpu") if device is None else device)
+    return workspace(state.workspaces, key, shape).corrected[:n]
 
 
 def onebit_allreduce(
@@ -332,11 +294,10 @@ def onebit_allreduce(
     rank = dist.get_rank(group)
     block_size = state.block_size
     n = tensor.numel()
-    # Equal chunks of whole sign bytes; at least one byte each so no collective is ever empty.
-    chunk_len = 8 * max(1, _ceil_div(n, 8 * world_size))
+    shape = exchange_shape(n, world_size, block_size, tensor.device)
+    _, _, chunk_len, _, message_bytes, _ = shape
     sign_bytes = chunk_len // 8
-    message_bytes = sign_bytes + 4 * _ceil_div(chunk_len, block_size)
-    space = _workspace(state, key, (n, world_size, chunk_len, block_size, message_bytes, tensor.device))
+    space = workspace(state.workspaces, key, shape)
 
     corrected = space.corrected
     flat = tensor.reshape(-1)
