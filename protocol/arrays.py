@@ -110,15 +110,21 @@ def checksum(buf: Any) -> int:
     return xxhash.xxh3_64_intdigest(buf)
 
 
-def copy_with_checksum(value: Any) -> tuple[np.ndarray, int]:
+def copy_with_checksum(value: Any, out: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """A C-contiguous copy of an array (same dtype and shape) and the xxh3-64 of its bytes.
+
+    ``out``, if given, is where the copy is written: a C-contiguous array of the same dtype and
+    shape (a ValueError otherwise).
 
     The copy is hashed block by block right after each block is written, while it is still in
     cache: one pass over memory where copying and then checksumming would make two. The digest
     is the one ``checksum`` gives of the copy's bytes (xxh3's streaming and one-shot forms agree).
     """
     src = np.asarray(value)
-    out = np.empty(src.shape, src.dtype)
+    if out is None:
+        out = np.empty(src.shape, src.dtype)
+    elif out.shape != src.shape or out.dtype != src.dtype or not out.flags.c_contiguous:
+        raise ValueError(f"out is {out.dtype}{out.shape}, not a C-contiguous {src.dtype}{src.shape}")
     dst = out.reshape(-1).view(np.uint8)
     h = xxhash.xxh3_64()
     if src.flags.c_contiguous:

@@ -28,6 +28,7 @@ from fuelline.protocol.arrays import Checksummed, copy_with_checksum
 from fuelline.protocol.messages import MAX_HISTORY_WORLD
 from fuelline.server.sources.contract import Batches, BatchSource
 from fuelline.server.sources.fuel_epochs import SharedEpochs
+from fuelline.server.sources.recycled import RecycledBuffers
 
 __all__ = ["FuelStreamSource", "MAX_WORLD", "DEFAULT_BUFFER_MB"]
 
@@ -83,7 +84,11 @@ class FuelStreamSource(BatchSource):
         self._fresh = fresh_arrays
         self._copied = 0  # bytes copied out of the stream's arrays
         self._copied_lock = threading.Lock()
-        self._epochs = SharedEpochs(self._open, self._as_arrays, self._locks, buffer_mb * 2**20)
+        # The copies' memory, used again once nothing holds it: the held batches (the budget)
+        # and what sessions still hold beyond them (their memory tier, queued sends).
+        budget = buffer_mb * 2**20
+        self._buffers = RecycledBuffers(0 if fresh_arrays else budget + max(64 * 2**20, budget // 4))
+        self._epochs = SharedEpochs(self._open, self._as_arrays, self._locks, budget)
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -147,7 +152,7 @@ class FuelStreamSource(BatchSource):
             return arrays
         copies, sums = {}, {}
         for name, a in arrays.items():
-            copies[name], sums[name] = copy_with_checksum(a)
+            copies[name], sums[name] = copy_with_checksum(a, self._buffers.empty(a.shape, a.dtype))
         with self._copied_lock:
             self._copied += sum(a.nbytes for a in copies.values())
         return Checksummed(copies, sums)
@@ -193,6 +198,7 @@ class FuelStreamSource(BatchSource):
 
     def close(self) -> None:
         self._epochs.close()
+        self._buffers.clear()
 
 
 def _subset(batch: dict[str, np.ndarray], sources: tuple[str, ...]) -> dict[str, np.ndarray]:
