@@ -465,3 +465,69 @@ def test_the_slabs_of_a_client_killed_mid_stream_are_removed(server: Server, tmp
         if reader.poll() is None:
             reader.kill()
             reader.wait(TIMEOUT)
+
+
+def test_a_slab_is_not_used_again_while_an_array_built_in_it_is_held(tmp_path: Path) -> None:
+    # A Fuel stream's shared pass keeps the batches it copied into a slab, for other ranks and for
+    # reconnects, after the client released them.
+    slabs = SessionSlabs(str(tmp_path), "aa", 8, keep_free=0)
+    spec = [((256, 1024), np.dtype("<f4"))]  # 1 MB: a slab each
+    (held,) = slabs.carve(spec)
+    held[...] = 7.0
+    first = slabs.place({"x": held})
+    assert first is not None and first.in_place
+    slabs.release((first.placement.region,))  # the client let it go; the pass still holds it
+    (other,) = slabs.carve(spec)  # the next gather needs room: a new slab, not the held one
+    assert not np.shares_memory(other, held) and np.all(held == 7.0)
+    assert slabs.place({"x": other}).in_place
+    where = held.__array_interface__["data"][0]
+    del held
+    (again,) = slabs.carve(spec)  # now nothing holds the first slab: it is used again
+    assert again.__array_interface__["data"][0] == where
+    slabs.close()
+
+
+REFILLED = 60
+
+
+class Refilled:
+    """A Fuel stream that refills one buffer for every batch, each with its own value."""
+
+    sources = ("x",)
+
+    def __init__(self) -> None:
+        self.buffer = np.empty((128, 1024), np.float32)
+
+    def get_epoch_iterator(self, **kwargs):
+        for i in range(REFILLED):
+            self.buffer[:] = i
+            yield (self.buffer,)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_local_client_of_a_fuel_stream_gets_the_servers_one_copy_in_shared_memory(world: int) -> None:
+    if not on_memory_fs(default_base()):
+        pytest.skip(f"socket folders go to {default_base()}, which is not in memory: no shared memory here")
+    from fuelline.server.sources.fuel import FuelStreamSource
+
+    source = FuelStreamSource(Refilled())
+    server = Server(source, port=0, hwm=HWM, heartbeat=5.0)
+    server.start()
+    try:
+        got = {}
+        for rank in range(world):  # (rank 1 reads what rank 0's session copied for it)
+            with ServerDataStream(("x",), endpoints=[server.endpoint.removeprefix("tcp://")], hwm=HWM,
+                                  timeout=TIMEOUT, receive_timeout=TIMEOUT, rank=rank, world_size=world) as s:
+                got[rank] = [(float(b[0][0, 0]), bool(np.all(b[0] == b[0][0, 0])), placed(b[0]))
+                             for b in s.get_epoch_iterator()]
+                (session,) = server.sessions.values()
+                assert session.slabs is not None
+                built, placed_all = session.slabs.built_in_place, session.slabs.placed
+            assert all(same and shm for _, same, shm in got[rank]), f"rank {rank}: {got[rank]}"
+            assert [v for v, _, _ in got[rank]] == [float(i) for i in range(rank, REFILLED, world)]
+            if rank == 0:  # copied once, into the memory the client maps: nothing copied it again
+                assert built == placed_all >= len(got[0])  # (and those it prepared of the next epoch)
+    finally:
+        server.stop()
+        server.join(10)
+        source.close()

@@ -19,6 +19,11 @@ next gather needs room, and by then every batch of the one before has been place
 a gather's batches one by one, and the producer places each before it asks for the next), so no
 slab is reused while a batch built in it waits to be placed.
 
+Nor is a slab reused while any array built in it is still held in this process: a Fuel stream's
+shared pass keeps the batches it copied into a slab (``fuelline.server.sources.fuel``) for the
+other ranks and for reconnects. Every such array refers to the slab's mapping, so the mapping's
+reference count says whether one is left.
+
 The session holds at most ``max_slabs``; a batch that finds no room, or a slab that cannot be made,
 goes over the socket as before, so a client that keeps every batch it is given makes the server
 fall back, not grow. Nor is a slab made that would leave less than a quarter of its file system
@@ -33,6 +38,7 @@ import itertools
 import logging
 import mmap
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -73,6 +79,19 @@ class _Slab:
     @property
     def size(self) -> int:
         return len(self.map)
+
+
+def _map_refs(slab: _Slab) -> int:
+    return sys.getrefcount(slab.map)
+
+
+# What ``_map_refs`` counts of a slab no array in this process is built in (measured, not assumed).
+_UNHELD = _map_refs(_Slab("", "", mmap.mmap(-1, mmap.PAGESIZE), 0))
+
+
+def _unheld(slab: _Slab) -> bool:
+    """No array in this process lies in the slab (any that does holds its mapping)."""
+    return _map_refs(slab) == _UNHELD
 
 
 class SessionSlabs:
@@ -218,7 +237,7 @@ class SessionSlabs:
 
     def _take(self, need: int) -> _Slab | None:
         """A free slab of at least ``need`` bytes, or a new one (with the lock held)."""
-        fits = [s for s in self._free if s.size >= need]
+        fits = [s for s in self._free if s.size >= need and _unheld(s)]
         if fits:
             slab = min(fits, key=lambda s: s.size)
             self._free.remove(slab)
@@ -226,10 +245,11 @@ class SessionSlabs:
         if self._refused:
             return None
         if len(self._slabs) >= self.max_slabs:
-            if not self._free:
+            unheld = [s for s in self._free if _unheld(s)]
+            if not unheld:
                 return None
             # At the cap, a free slab too small for this batch makes way for one that fits.
-            victim = min(self._free, key=lambda s: s.size)
+            victim = min(unheld, key=lambda s: s.size)
             self._free.remove(victim)
             self._slabs.remove(victim)
             self._unlink(victim.path)

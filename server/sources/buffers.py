@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["empty", "allocating", "Allocator", "gathering"]
+__all__ = ["empty", "carved", "allocating", "Allocator", "gathering"]
 
 # (shapes and dtypes of the arrays of one gather) → the arrays, all in one place, or None for np.empty.
 Allocator = Callable[[Sequence[tuple[tuple[int, ...], np.dtype]]], "list[np.ndarray] | None"]
@@ -25,12 +25,15 @@ _gather_lock = threading.Lock()  # held by the one gather running (see gathering
 
 def empty(specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
     """Arrays of these shapes and dtypes, uninitialised: from this thread's allocator, if any."""
+    out = carved(specs)
+    return out if out is not None else [np.empty(shape, dtype) for shape, dtype in specs]
+
+
+def carved(specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray] | None:
+    """Arrays of these shapes and dtypes from this thread's allocator; None where it has none,
+    or no room."""
     alloc: Allocator | None = getattr(_state, "alloc", None)
-    if alloc is not None:
-        out = alloc(specs)
-        if out is not None:
-            return out
-    return [np.empty(shape, dtype) for shape, dtype in specs]
+    return alloc(specs) if alloc is not None else None
 
 
 @contextmanager

@@ -23,9 +23,10 @@ from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
-from fuelline.protocol import DataError
+from fuelline.protocol import WIRE_DTYPES, DataError
 from fuelline.protocol.arrays import Checksummed, copy_with_checksum
 from fuelline.protocol.messages import MAX_HISTORY_WORLD
+from fuelline.server.sources.buffers import carved
 from fuelline.server.sources.contract import Batches, BatchSource
 from fuelline.server.sources.fuel_epochs import SharedEpochs
 from fuelline.server.sources.recycled import RecycledBuffers
@@ -136,9 +137,10 @@ class FuelStreamSource(BatchSource):
     def _open(self, split: str) -> Iterator[Any]:
         return iter(self._streams[split].get_epoch_iterator())
 
-    def _as_arrays(self, batch: Any, index: int) -> dict[str, np.ndarray]:
+    def _as_arrays(self, batch: Any, index: int, mine: bool = False) -> dict[str, np.ndarray]:
         """The batch's arrays by source: the server's own copies (checksummed as they are made),
-        or the stream's arrays themselves where it promised fresh ones."""
+        or the stream's arrays themselves where it promised fresh ones. ``mine``: the batch goes
+        to the session whose thread this is (else to another rank's, later)."""
         if isinstance(batch, Mapping):
             values = [batch[name] for name in self._sources]
         else:
@@ -150,9 +152,15 @@ class FuelStreamSource(BatchSource):
         arrays = {name: np.asarray(v) for name, v in zip(self._sources, values)}
         if self._fresh:
             return arrays
+        # Straight to where the batch goes: a session whose client reads shared memory has its
+        # own batches copied into its slabs, the only copy made; others into memory used again.
+        specs = [(a.shape, a.dtype) for a in arrays.values()]
+        outs = carved(specs) if mine and all(a.dtype.str in WIRE_DTYPES for a in arrays.values()) else None
+        if outs is None:
+            outs = [self._buffers.empty(shape, dtype) for shape, dtype in specs]
         copies, sums = {}, {}
-        for name, a in arrays.items():
-            copies[name], sums[name] = copy_with_checksum(a, self._buffers.empty(a.shape, a.dtype))
+        for (name, a), out in zip(arrays.items(), outs):
+            copies[name], sums[name] = copy_with_checksum(a, out)
         with self._copied_lock:
             self._copied += sum(a.nbytes for a in copies.values())
         return Checksummed(copies, sums)

@@ -19,9 +19,9 @@ sent with, and of those with the arrays' names, dtypes and shapes) until the buf
    once per epoch, and reads what it lost again (below).
 
 Once every rank of the world reads the pass, the batches all of them have read are held only up
-to an eighth of the budget (``PASSED_SHARE``): for a session that reconnects behind its rank's
-place (what a session sent last is also in its memory tier). A rank that has not started yet
-keeps the whole budget for its batches.
+to an eighth of the budget and ``PASSED_BATCHES`` batches: for a session that reconnects behind its
+rank's place (what a session sent over a socket last is also in its memory tier). A rank that has
+not started yet keeps the whole budget for its batches.
 
 A batch that was let go, or whose arrays changed since (a stream that broke its promise of fresh
 arrays), is read again by a private pass of that reader: a new ``get_epoch_iterator()`` whose
@@ -61,6 +61,9 @@ SCAN = 4096  # held batches looked at, per pass, for ones no reader needs (step 
 # batches wrote each new copy to memory touched for the first time (1.3 ms a copy, against 0.16
 # ms into a buffer used again), and short epochs never got past it.
 PASSED_SHARE = 8
+# and at most this many of them: a local client's batches are copied into its shared memory, and a
+# slab is not used again while the pass holds a batch there (``fuelline.server.serving.slabs``).
+PASSED_BATCHES = 16
 
 
 def batch_digest(arrays: dict[str, np.ndarray], known: Mapping[str, int] | None = None) -> tuple[int, Checksummed]:
@@ -150,15 +153,17 @@ class SharedEpochs:
 
     Args:
         open_epoch: ``split -> iterator`` (calls the stream's ``get_epoch_iterator()``).
-        to_arrays: ``(batch, index) -> {source: array}``, called under the split's lock as soon as
-            the stream yields; raises DataError. A ``Checksummed`` result's checksums are kept.
+        to_arrays: ``(batch, index, mine) -> {source: array}``, called under the split's lock as
+            soon as the stream yields; raises DataError. A ``Checksummed`` result's checksums are
+            kept. ``mine``: the batch is the one the calling reader asked for (not one it read
+            past on another rank's behalf).
         locks: per split, the lock every call into that split's stream holds (streams are not
             required to be thread-safe).
         budget: bytes of batches held at most.
     """
 
     def __init__(
-        self, open_epoch: Callable[[str], Iterator], to_arrays: Callable[[Any, int], dict[str, np.ndarray]],
+        self, open_epoch: Callable[[str], Iterator], to_arrays: Callable[[Any, int, bool], dict[str, np.ndarray]],
         locks: dict[str, threading.Lock], budget: int,
     ) -> None:
         self._open = open_epoch
@@ -246,7 +251,7 @@ class SharedEpochs:
                     p.failed = (i, f"the stream raised {type(exc).__name__} at batch {i} of the epoch: {exc}")
                 raise
             try:
-                arrays = self._to_arrays(batch, i)
+                arrays = self._to_arrays(batch, i, i == g)
             except DataError as exc:
                 with self._lock:
                     p.failed = (i, str(exc))
@@ -289,7 +294,7 @@ class SharedEpochs:
                 except StopIteration:
                     raise DataError(self._not_deterministic(p, i, f"a pass that ended after {i} batches")) from None
                 # (Under the lock: another pass's next() may refill a buffer this batch shares.)
-                arrays = self._to_arrays(batch, i)
+                arrays = self._to_arrays(batch, i, i == g)
             reader.private_next = i + 1
             with self._lock:
                 want = p.digests[i]
@@ -355,7 +360,7 @@ class SharedEpochs:
         hi = bisect.bisect_left(p.keys, low)
         passed = sum(p.held[g].nbytes for g in p.keys[lo:hi])
         allowed = self.budget // PASSED_SHARE
-        while lo < hi and passed > allowed:
+        while lo < hi and (passed > allowed or hi - lo > PASSED_BATCHES):
             dropped = p.drop(p.keys[lo])
             passed -= dropped
             self.held_bytes -= dropped
