@@ -1,5 +1,8 @@
 """``python -m benchmarks [BENCHMARK] [--quick]``: run one benchmark, or all, then write the summary.
 
+``python -m benchmarks guard [--record]``: the ratios users compare, in about two minutes, against
+those recorded in the repository (``benchmarks.guard``).
+
 Benchmarks: transport, parquet, windows, pipeline, overlap, scaling, scaleout, trainer, compression;
 convergence, cost and stages only when named (``python -m benchmarks convergence``, or ``python -m benchmarks.convergence``
 with its own options; likewise ``cost``).
@@ -27,7 +30,8 @@ BENCHMARKS = ("transport", "parquet", "windows", "pipeline", "overlap", "scaling
 # stages: a slow stage beside an honest client, 30 s a case and round.
 # exchange: the 1-bit exchange against fp32 all-reduce on gloo ranks (links of a bed with
 # ``python -m benchmarks.exchange --links``).
-BY_NAME_ONLY = ("convergence", "cost", "stages", "exchange")
+# fuel-stream: fuelline against Fuel 0.2, whose environment is made from the package index on first use.
+BY_NAME_ONLY = ("convergence", "cost", "stages", "exchange", "fuel-stream")
 QUICK = {"rounds": 2, "batches": 20, "gb": 0.005}
 
 
@@ -56,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Two rounds at least: a single run's figure says nothing about its own noise.
     parser.add_argument("--rounds", type=_at_least(2), default=5, help="timed rounds per contender (default 5)")
     parser.add_argument("--batches", type=_at_least(2), default=400,
-                        help="transport: 3 MB batches per round (default 400, about 1.2 GB)")
+                        help="transport, fuel-stream: 3 MB batches per round (default 400, about 1.2 GB)")
     parser.add_argument("--gb", type=_positive_float, default=1.0,
                         help="parquet: GB of in-memory numbers in the train split (default 1.0)")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
@@ -65,13 +69,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where <name>.json, .md and .png are written (default benchmarks/results; "
                              "with --quick, a new temporary directory)")
     parser.add_argument("--before", metavar="REV", default=None,
-                        help="windows, pipeline, stages, exchange: also measure as commit REV serves (before and after, in one run)")
+                        help="windows, pipeline, stages, exchange, fuel-stream: also measure as commit REV serves (before and after, in one run)")
     parser.add_argument("--quick", action="store_true",
                         help=f"tiny sizes and {QUICK['rounds']} rounds: checks that every benchmark works")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["guard"]:  # (options of its own: python -m benchmarks guard --help)
+        from benchmarks import guard
+
+        return guard.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.quick:
         args.rounds, args.batches, args.gb = QUICK["rounds"], QUICK["batches"], QUICK["gb"]
@@ -144,6 +153,10 @@ def run_one(name: str, args: argparse.Namespace) -> None:
                          results_dir=results)
         else:
             exchange.run(rounds, args.before, results_dir=results)
+    elif name == "fuel-stream":
+        from benchmarks import fuel_stream
+
+        fuel_stream.run(rounds, args.batches, results, before=args.before, quick=quick)
     elif name == "stages":
         from benchmarks import stages
 

@@ -160,3 +160,32 @@ def test_quick_exchange_benchmark_runs_and_reports_both_contenders(tmp_path: Pat
         for key in ("uncompressed_ms", "onebit_ms"):
             assert all(v > 0 for v in case["after"][key]["values"]), case
     assert "| loopback | 2 | Adam step |" in (tmp_path / "exchange.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_quick_fuel_stream_benchmark_reports_fuelline_on_the_host_and_over_tcp(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "fuel-stream", "--quick", "--results-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = _record(tmp_path, "fuel-stream")
+    for name in ("fuelline", "fuelline, TCP"):
+        rounds = record["contenders"][name]["rounds"]
+        assert len(rounds) == 2 and all(r["batches"] == 20 and r["bytes"] == 19 * 256 * 3000 * 4 for r in rounds)
+        assert record["contenders"][name]["GB/s"]["median"] > 0
+    assert "fuelline, TCP / fuelline" in record["ratios"]
+
+
+def test_the_guard_names_each_ratio_that_dropped_by_more_than_a_fifth() -> None:
+    from benchmarks.guard import compare
+
+    def ratio(value: float) -> dict[str, Any]:
+        return {"ratio": value, "per_round": [value], "numerator": "a", "denominator": "b"}
+
+    recorded = {"fuel stream": ratio(2.0), "transport": ratio(0.8), "table": ratio(1.0)}
+    now = {"fuel stream": ratio(1.59), "transport": ratio(0.65), "table": ratio(1.3), "windows": ratio(3.0)}
+    lines, dropped = compare(now, recorded)
+    assert dropped == ["fuel stream"]  # 0.795 of its record; transport kept 0.8125 of its own
+    assert any(line.startswith("| windows") and "| — |" in line for line in lines)  # no record yet: never a drop
+
+
