@@ -31,7 +31,8 @@ BENCHMARKS = ("transport", "parquet", "windows", "pipeline", "overlap", "scaling
 # exchange: the 1-bit exchange against fp32 all-reduce on gloo ranks (links of a bed with
 # ``python -m benchmarks.exchange --links``).
 # fuel-stream: fuelline against Fuel 0.2, whose environment is made from the package index on first use.
-BY_NAME_ONLY = ("convergence", "cost", "stages", "exchange", "fuel-stream")
+# loader-workers: DataLoader(ServerDataset) with 0, 2 and 4 workers against ServerDataStream.
+BY_NAME_ONLY = ("convergence", "cost", "stages", "exchange", "fuel-stream", "loader-workers")
 QUICK = {"rounds": 2, "batches": 20, "gb": 0.005}
 
 
@@ -153,6 +154,10 @@ def run_one(name: str, args: argparse.Namespace) -> None:
                          results_dir=results)
         else:
             exchange.run(rounds, args.before, results_dir=results)
+    elif name == "loader-workers":
+        from benchmarks import loader_workers
+
+        loader_workers.run(rounds, data, results)
     elif name == "fuel-stream":
         from benchmarks import fuel_stream
 

@@ -1,12 +1,16 @@
-"""Read a data server through a torch DataLoader with worker processes, and resume an epoch::
+"""Read a data server through a torch DataLoader, and resume an epoch::
 
     fuelline sample data                      # features [16] float32, label int64
     fuelline serve data --batch-size 64 &
-    python examples/dataloader.py --server 127.0.0.1:5557 --workers 2
+    python examples/dataloader.py --server 127.0.0.1:5557
 
-Each pass over the loader is the server's next epoch; the workers share the rank's batches, each
-row once. With torchdata installed, the last part saves a StatefulDataLoader mid-epoch and reads
-the rest of that epoch in a new loader.
+Each pass over the loader is the server's next epoch. With torchdata installed, the last part
+saves a StatefulDataLoader mid-epoch and reads the rest of that epoch in a new loader.
+
+Workers: the data server already reads and batches in processes of its own, so ``num_workers=0``
+is the fast setup; a worker only adds a copy through the DataLoader's queue (2 workers read a
+quarter of the rows/s at three times the CPU per row, ``python -m benchmarks loader-workers``).
+``--workers K`` shows that they work all the same: they share the rank's batches, each row once.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from fuelline.client import ServerDataset
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", default="127.0.0.1:5557", help="HOST:PORT of the data server")
-    parser.add_argument("--workers", type=int, default=2, help="DataLoader worker processes")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="DataLoader worker processes (0, the default, is the fast setup with a data server)")
     args = parser.parse_args()
 
     def dataset() -> ServerDataset:
