@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from benchmarks import parquet_path
-from benchmarks.common import DEFAULT_DATA_DIR, RESULTS_DIR, Contender, Round, ServerProcess, alternate, process_cpu_seconds
+from benchmarks.common import (
+    DEFAULT_DATA_DIR,
+    RESULTS_DIR,
+    Contender,
+    Round,
+    ServerProcess,
+    alternate,
+    process_cpu_seconds,
+)
 from benchmarks.report import Metric, RatioSpec, build_report, environment, write_results
 
 __all__ = ["run"]
