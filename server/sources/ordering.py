@@ -68,13 +68,19 @@ def epoch_plan(
     rng = epoch_rng(seed, epoch)
     perm = rng.permutation(len(lengths))
     perm_lengths = lengths[perm]
-    # Row ids of the permuted units, laid end to end, without a Python loop over rows.
-    offsets = np.repeat(starts[perm] - np.concatenate([[0], np.cumsum(perm_lengths)[:-1]]), perm_lengths)
-    order = np.arange(total, dtype=np.int64) + offsets
+    # Row ids of the permuted units, laid end to end: one write of the order, a unit at a time
+    # (an arange over every row plus repeated offsets made three passes over it).
+    order = np.empty(total, dtype=np.int64)
+    at = 0
+    for first, n in zip(starts[perm].tolist(), perm_lengths.tolist()):
+        order[at:at + n] = np.arange(first, first + n, dtype=np.int64)
+        at += n
     bounds = np.concatenate([[0], np.cumsum(perm_lengths)])[::shuffle_block]
     bounds = np.append(bounds, total) if bounds[-1] != total else bounds
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        order[lo:hi] = order[lo:hi][rng.permutation(hi - lo)]
+    # Each block shuffled in place: the same swaps, from the same draws, as permuting an arange
+    # of its length and gathering by it, so the same order, without the two temporaries.
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        rng.shuffle(order[lo:hi])
     return EpochPlan(order, perm, shuffle_block)
 
 
