@@ -79,7 +79,8 @@ def start_server(
     The server copies each batch of a Fuel-style stream once, as it reads it (and checksums it
     in the same pass over memory), and from then on holds and sends only that copy: a stream may
     refill the same preallocated arrays for every batch, as many Fuel and numpy streams do, and
-    every client still gets each batch as it was yielded. ``fresh_arrays=True`` skips the copy.
+    every client still gets each batch as it was yielded. A client on the server's host gets that
+    copy in the shared memory it maps, not copied again. ``fresh_arrays=True`` skips the copy.
 
     Args:
         data_stream: a Fuel-style stream (``.sources``, ``.get_epoch_iterator()`` yielding tuples

@@ -12,8 +12,11 @@ Buffers. Many streams refill one preallocated array per batch, while the server 
 well after the stream moved on (the shared pass, read-ahead, zero-copy sends that leave when the
 socket gets to them). So by default each batch is copied once as it is read, and checksummed in
 the same pass over its bytes (``fuelline.protocol.arrays.copy_with_checksum``): from then on the
-server holds, checks and sends only its own copy. A stream whose every batch is new arrays that
-nothing writes to afterwards can say so with ``fresh_arrays=True`` and be served from them.
+server holds, checks and sends only its own copy. The copy goes straight to where the batch goes:
+for a client on the server's host, into the shared memory it maps (``SessionSlabs.carve``), so that
+nothing copies it again; otherwise into memory used again once nothing holds it
+(``fuelline.server.sources.recycled``). A stream whose every batch is new arrays that nothing
+writes to afterwards can say so with ``fresh_arrays=True`` and be served from them.
 """
 
 from __future__ import annotations
