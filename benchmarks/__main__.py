@@ -32,7 +32,7 @@ BENCHMARKS = ("transport", "parquet", "windows", "pipeline", "overlap", "scaling
 # ``python -m benchmarks.exchange --links``).
 # fuel-stream: fuelline against Fuel 0.2, whose environment is made from the package index on first use.
 # loader-workers: DataLoader(ServerDataset) with 0, 2 and 4 workers against ServerDataStream.
-BY_NAME_ONLY = ("convergence", "cost", "stages", "exchange", "fuel-stream", "loader-workers")
+BY_NAME_ONLY = ("convergence", "cost", "stages", "exchange", "fuel-stream", "loader-workers", "peers")
 QUICK = {"rounds": 2, "batches": 20, "gb": 0.005}
 
 
@@ -162,6 +162,10 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         from benchmarks import fuel_stream
 
         fuel_stream.run(rounds, args.batches, results, before=args.before, quick=quick)
+    elif name == "peers":
+        from benchmarks import peers
+
+        peers.run(rounds, data, results, quick=quick)
     elif name == "stages":
         from benchmarks import stages
 

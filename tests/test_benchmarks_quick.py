@@ -189,3 +189,27 @@ def test_the_guard_names_each_ratio_that_dropped_by_more_than_a_fifth() -> None:
     assert any(line.startswith("| windows") and "| — |" in line for line in lines)  # no record yet: never a drop
 
 
+@pytest.mark.timeout(RUN_TIMEOUT_S)
+def test_quick_peers_benchmark_records_fuelline_and_the_dataloader(tmp_path: Path) -> None:
+    """``python -m benchmarks.peers --quick`` with the peers that need nothing extra (no peer's
+    environment is built or run): rows/s and the batch mix of both, every row once an epoch."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.peers", "--quick", "--peers", "dataloader-0",
+                           "--results-dir", str(tmp_path / "results"), "--data-dir", str(tmp_path / "data")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S - 20)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = _record(tmp_path / "results", "peers")
+    fuelline, loader = "fuelline serve → ServerDataStream(tensors=True)", "DataLoader over pyarrow, 0 workers"
+    assert set(record["contenders"]) == {fuelline, loader}
+    for name in (fuelline, loader):
+        entry = record["contenders"][name]
+        assert len(entry["rounds"]) == 2, name
+        assert entry["rows/s"]["min"] > 0 and entry["CPU s/1k rows"]["min"] > 0, name
+        # A shuffled batch of 1024 rows mixes several of the 40 row groups of 500 rows.
+        assert 2 <= entry["row groups/batch"]["min"] <= 40, (name, entry["row groups/batch"])
+        assert all(r["epoch_distinct_rows"] == [20_000, 20_000] for r in entry["rounds"]), name
+        assert 0 < entry["s to first batch"]["max"] <= entry["s to first batch, from start"]["max"], name
+    assert f"{fuelline} / {loader}" in record["ratios"]
+    assert len(record["ratios"][f"{fuelline} / {loader}"]["per_round"]) == 2
+    assert (tmp_path / "results" / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "row groups/batch" in (tmp_path / "results" / "peers.md").read_text()
