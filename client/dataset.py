@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from dataclasses import dataclass
 from multiprocessing import context as mp_context
 from typing import Any, Iterator, Mapping, Sequence
 
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from fuelline.client.stream import ServerDataStream
 from fuelline.protocol import ProtocolError
@@ -118,6 +119,7 @@ class ServerDataset(IterableDataset):
         return self._batches
 
     def __iter__(self) -> Iterator[Any]:
+        _refuse_automatic_batching(self, sys._getframe(1))  # (torch may wrap __iter__: its caller's callers too)
         worker, workers = _worker()
         device, pin_memory = self._config.get("device"), self._config.get("pin_memory")
         if worker is not None and (device is not None or pin_memory):
@@ -256,6 +258,31 @@ class ServerDataset(IterableDataset):
             reader.close()
             if self._reader is reader:
                 self._reader = None
+
+
+def _refuse_automatic_batching(dataset: ServerDataset, caller: Any) -> None:
+    """Refuse a DataLoader that batches the served batches again with its default collation.
+
+    ``DataLoader(ds)`` leaves ``batch_size=1``: it would take each served batch as one sample
+    and stack it into a batch of one, every array one dimension deeper ([1, B, ...]), which
+    trains on the wrong shapes without an error. torch's fetcher (also torchdata's
+    StatefulDataLoader's) makes the iterator and says whether it batches; a collate_fn of the
+    user's own is taken to mean it on purpose.
+    """
+    for _ in range(4):
+        if caller is None:
+            return
+        fetcher = caller.f_locals.get("self")
+        if getattr(fetcher, "dataset", None) is dataset:
+            break
+        caller = caller.f_back
+    else:
+        return
+    if getattr(fetcher, "auto_collation", False) and getattr(fetcher, "collate_fn", None) is default_collate:
+        raise ValueError(
+            "DataLoader(ServerDataset(...)) batches what it reads, but the server already sends batches: "
+            "each would become a batch of one, every array one dimension deeper ([1, B, ...]). "
+            "Pass batch_size=None: DataLoader(dataset, batch_size=None)")
 
 
 def _worker() -> tuple[int | None, int]:

@@ -185,3 +185,28 @@ def test_a_fuel_stream_of_unknown_length_is_read_whole_by_one_worker_and_refused
         worker.terminate()
         worker.join(TIMEOUT)
     gc.collect()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_dataloader_that_would_batch_the_batches_again_is_refused_with_the_fix(
+    sample_dataset: Path, start_serve, workers: int
+) -> None:
+    """``DataLoader(ServerDataset(...))`` keeps torch's ``batch_size=1``, which would stack each
+    served batch into a batch of one ([1, B, ...]) without a word: refused, naming
+    ``batch_size=None``, in the main process and from a worker. A collate_fn of the user's own
+    batches on purpose and is served."""
+    server = start_serve(sample_dataset, "--batch-size", BATCH)
+    endpoint = f"127.0.0.1:{server.port}"
+    options = {"timeout": TIMEOUT} if workers else {}
+    for batch_size in (1, 2):
+        data = ServerDataset(("sample_id",), endpoints=[endpoint], timeout=TIMEOUT)
+        with pytest.raises(ValueError, match=r"Pass batch_size=None"):
+            next(iter(DataLoader(data, batch_size=batch_size, num_workers=workers, **options)))
+    data = ServerDataset(("sample_id",), endpoints=[endpoint], timeout=TIMEOUT)
+    pairs = DataLoader(data, batch_size=2, num_workers=workers, collate_fn=lambda pair: [b[0] for b in pair], **options)
+    first = next(iter(pairs))
+    assert [len(ids) for ids in first] == [int(BATCH)] * 2
+    for worker in multiprocessing.active_children():
+        worker.terminate()
+        worker.join(TIMEOUT)
+    gc.collect()
