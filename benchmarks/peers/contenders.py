@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from benchmarks.common import ROOT
 from benchmarks.peers import venvs
 
-__all__ = ["Peer", "PEERS", "FUELLINE", "ReaderFailed", "run_reader", "python_of", "netns_available", "reader_env"]
+__all__ = ["Peer", "PEERS", "WINDOWS_PEERS", "FUELLINE", "ReaderFailed", "run_reader", "python_of", "netns_available", "reader_env"]
 
 PEERS_DIR = Path(__file__).resolve().parent
 # A loopback-only network namespace: the servers of tf.data service and of Ray bind every
@@ -38,6 +38,7 @@ class Peer:
     netns: bool = False  # run in a loopback-only network namespace
     prepare: bool = False  # the reader writes its own copy of the table first (--prepare)
     extra: tuple[str, ...] = ()  # more options of its reader
+    block_all: bool = False  # fuelline with every recording in one shuffle block (the count known at run time)
 
 
 FUELLINE = "fuelline serve → ServerDataStream(tensors=True)"
@@ -53,6 +54,16 @@ PEERS = (
     Peer("litdata-2", "LitData, 2 workers", "read_litdata.py", "litdata", workers=2, prepare=True),
     Peer("ray", "Ray Data, local shuffle buffer", "read_ray.py", "ray", netns=True),
     Peer("tfdata", "tf.data service, dispatcher + worker", "read_tfdata.py", "tfdata", netns=True, prepare=True),
+)
+# The windows workload: fuelline serves the converted recordings, aligning as it serves; the others
+# read the same windows materialised (benchmarks/peers/windows_data.py).
+WINDOWS_PEERS = (
+    PEERS[0],
+    # Every window aligned again every epoch: no decoded recordings kept from the first.
+    Peer("fuelline-decode", "fuelline serve --decoded-cache-mb 0", "read_fuelline.py", extra=("--decoded-cache-mb", "0")),
+    # Every recording in one shuffle block: batches as mixed as a uniform shuffle's (named at run time).
+    Peer("fuelline-all", "fuelline serve, every recording in one shuffle block", "read_fuelline.py", block_all=True),
+    *(p for p in PEERS if not p.key.startswith("fuelline")),
 )
 
 

@@ -3,6 +3,10 @@ row groups, decoded row groups kept, a client on the host moved to the Unix sock
 memory; ``--shuffle-block N`` mixes N row groups instead), read by ``ServerDataStream(tensors=True)``
 in this process, which has imported torch before the timing starts, as a trainer has.
 
+With ``--dataset DIR`` it serves that converted multimodal dataset instead (``fuelline convert``'s
+output): windows aligned by the server as they are served, blocks of 8 recordings, every source
+the data folder's ``columns.json`` lists; ``--decoded-cache-mb 0`` aligns every epoch anew.
+
 The server is started by this reader, as its child, so that its CPU and memory are in the tree the
 reader measures; time to first batch is taken both from the server's start and from the stream's.
 """
@@ -25,7 +29,8 @@ HWM = 10
 
 def _read(tree: readerlib.ProcTree, args: Any, host: str, port: int, server_started: float | None) -> dict[str, Any]:
     started = time.perf_counter()
-    with ServerDataStream(("features", "label", "row_id"), host=host, port=port, hwm=HWM, timeout=args.timeout,
+    sources = tuple(c.name for c in readerlib.columns(args.data))
+    with ServerDataStream(sources, host=host, port=port, hwm=HWM, timeout=args.timeout,
                           tensors=True) as stream:
 
         def epoch(e: int) -> Any:
@@ -37,6 +42,7 @@ def _read(tree: readerlib.ProcTree, args: Any, host: str, port: int, server_star
 def main() -> int:
     p = readerlib.parser(__doc__)
     p.add_argument("--shuffle-block", type=int, default=None, help="the server's --shuffle-block (default: its own)")
+    p.add_argument("--decoded-cache-mb", type=int, default=None, help="the server's --decoded-cache-mb (default: its own)")
     p.add_argument("--server", default=None, metavar="HOST:PORT",
                    help="read from this server (started by the benchmark on another host) instead of starting one")
     args = p.parse_args()
@@ -48,11 +54,14 @@ def main() -> int:
                 readerlib.emit(result, tree, versions={"torch": torch.__version__})
                 return 0
             server_started = time.perf_counter()
-            argv = [sys.executable, "-m", "fuelline.server.cli", "serve", str(Path(args.data) / "parquet"),
+            served = args.dataset or str(Path(args.data) / "parquet")
+            argv = [sys.executable, "-m", "fuelline.server.cli", "serve", served,
                     "--port", "0", "--batch-size", str(args.batch_size), "--hwm", str(HWM), "--seed", str(args.seed),
                     "--status-interval", "0"]
             if args.shuffle_block is not None:
                 argv += ["--shuffle-block", str(args.shuffle_block)]
+            if args.decoded_cache_mb is not None:
+                argv += ["--decoded-cache-mb", str(args.decoded_cache_mb)]
             log = Path(args.data) / "logs" / f"fuelline-serve-{args.seed}.log"
             with ServerProcess("fuelline serve", argv, log, ready_timeout=args.timeout) as server:
                 result = _read(tree, args, server.host, server.port, server_started)

@@ -1,6 +1,7 @@
 """LitData (``litdata``): the table converted once with ``optimize`` (one input per row group,
-each yielding its rows as samples {features: float32[64] array, label, row_id}; chunks of 64 MB,
-as its README writes it), read with ``StreamingDataset(input_dir=…, shuffle=True)`` through its
+each yielding its rows as samples {features: float32[64] array, label, row_id}, or for the windows
+each recording's windows as samples of its sources, arrays of their shape and scalars; chunks of
+64 MB, as its README writes it), read with ``StreamingDataset(input_dir=…, shuffle=True)`` through its
 ``StreamingDataLoader(batch_size=1024, num_workers=K)``, which collates the samples.
 """
 
@@ -15,17 +16,15 @@ from typing import Any, Iterator
 import readerlib
 
 
-def _rows(item: tuple[str, int]) -> Iterator[dict[str, Any]]:
-    """The samples of one row group: (file, row group index)."""
+def _rows(item: tuple[str, int, str]) -> Iterator[dict[str, Any]]:
+    """The samples of one row group: (file, row group index, the data folder)."""
     import pyarrow.parquet as pq
 
-    path, group = item
-    table = pq.ParquetFile(path).read_row_group(group)
-    feats = table.column("features").combine_chunks()
-    features = feats.flatten().to_numpy().reshape(len(feats), -1)
-    labels, ids = table.column("label").to_numpy(), table.column("row_id").to_numpy()
-    for i in range(len(ids)):
-        yield {"features": features[i].copy(), "label": int(labels[i]), "row_id": int(ids[i])}
+    path, group, data = item
+    cols = readerlib.columns(data)
+    arrays = readerlib.table_arrays(pq.ParquetFile(path).read_row_group(group), cols)
+    for i in range(len(arrays[cols[0].name])):
+        yield {c.name: arrays[c.name][i].copy() if c.shape else arrays[c.name][i].item() for c in cols}
 
 
 def prepare(data: Path) -> None:
@@ -38,7 +37,7 @@ def prepare(data: Path) -> None:
         return
     tmp = data / "litdata.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    inputs = [(str(path), g) for path in sorted((data / "parquet").glob("*.parquet"))
+    inputs = [(str(path), g, str(data)) for path in sorted((data / "parquet").glob("*.parquet"))
               for g in range(pq.ParquetFile(path).num_row_groups)]
     optimize(fn=_rows, inputs=inputs, output_dir=str(tmp), chunk_bytes="64MB", num_workers=1)
     tmp.rename(out)
@@ -64,8 +63,10 @@ def main() -> int:
             loader = StreamingDataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
                                          timeout=args.timeout if args.workers else 0)
 
+            names = [c.name for c in readerlib.columns(data)]
+
             def epoch(e: int) -> Any:
-                return ((b["features"], b["label"], b["row_id"]) for b in loader)
+                return (tuple(b[n] for n in names) for b in loader)
 
             result = readerlib.measure(tree, epoch, args, started)
             readerlib.emit(result, tree, versions={"litdata": litdata.__version__, "torch": torch.__version__})

@@ -1,6 +1,7 @@
 """Mosaic Streaming (``mosaicml-streaming``): the table converted once to MDS with its
 ``MDSWriter`` (features ``ndarray:float32:64``, label and row id ``int64``, no compression, the
-default shard size), read with ``StreamingDataset(local=…, shuffle=True)`` (its default shuffle,
+default shard size; for the windows, each source an ``ndarray`` of its dtype and shape or a scalar),
+read with ``StreamingDataset(local=…, shuffle=True)`` (its default shuffle,
 ``py1e``, and block size) through a torch ``DataLoader(batch_size=1024, num_workers=K)``, which
 collates its samples.
 
@@ -53,16 +54,23 @@ def prepare(data: Path) -> None:
         return
     tmp = data / "mds.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    columns = {"features": "ndarray:float32:64", "label": "int64", "row_id": "int64"}
+    cols = readerlib.columns(data)
+    columns = {c.name: _encoding(c) for c in cols}
     with MDSWriter(out=str(tmp), columns=columns, compression=None) as writer:
         for path in sorted((data / "parquet").glob("*.parquet")):
-            table = pq.read_table(path)
-            feats = table.column("features").combine_chunks()
-            features = feats.flatten().to_numpy().reshape(len(feats), -1)
-            labels, ids = table.column("label").to_numpy(), table.column("row_id").to_numpy()
-            for i in range(len(ids)):
-                writer.write({"features": np.ascontiguousarray(features[i]), "label": int(labels[i]), "row_id": int(ids[i])})
+            pf = pq.ParquetFile(path)
+            for g in range(pf.num_row_groups):
+                arrays = readerlib.table_arrays(pf.read_row_group(g), cols)
+                for i in range(pf.metadata.row_group(g).num_rows):
+                    writer.write({c.name: np.ascontiguousarray(arrays[c.name][i]) if c.shape else arrays[c.name][i].item()
+                                  for c in cols})
     tmp.rename(out)
+
+
+def _encoding(c: readerlib.Column) -> str:
+    """MDS's encoding of a column: an array of fixed dtype and shape, or a scalar."""
+    dtype = np.dtype(c.dtype).name
+    return f"ndarray:{dtype}:{','.join(map(str, c.shape))}" if c.shape else dtype
 
 
 def main() -> int:
@@ -88,8 +96,10 @@ def main() -> int:
             loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=args.workers,
                                 timeout=args.timeout if args.workers else 0)
 
+            names = [c.name for c in readerlib.columns(data)]
+
             def epoch(e: int) -> Any:
-                return ((b["features"], b["label"], b["row_id"]) for b in loader)
+                return (tuple(b[n] for n in names) for b in loader)
 
             result = readerlib.measure(tree, epoch, args, started)
             readerlib.emit(result, tree, versions={"mosaicml-streaming": streaming.__version__, "torch": torch.__version__})

@@ -8,6 +8,10 @@ drawn are replaced by the buffer's last ones (a streaming shuffle buffer, vector
 rather than per row). It yields whole batches as tensors (``torch.from_numpy``), read through
 ``DataLoader(batch_size=None, num_workers=K)``; with K workers, worker w reads every K-th row group
 of the epoch's order, with a buffer of its own.
+
+The columns are the data folder's (``readerlib.columns``): the flat table's, or the windows'
+sources, whose fixed-size lists are reshaped to the shape a window's source has; for the windows,
+a row group is a recording.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 
 class ShuffledRowGroups(IterableDataset):
-    def __init__(self, folder: Path, batch_size: int, buffer_rows: int, seed: int) -> None:
+    def __init__(self, folder: Path, cols: list[readerlib.Column], batch_size: int, buffer_rows: int, seed: int) -> None:
+        self.cols = cols
         self.files = sorted(folder.glob("*.parquet"))
         self.groups = [(f, g) for f in self.files for g in range(pq.ParquetFile(f).num_row_groups)]
         self.batch_size, self.buffer_rows, self.seed = batch_size, buffer_rows, seed
@@ -40,10 +45,7 @@ class ShuffledRowGroups(IterableDataset):
         for i in order:
             path, group = self.groups[i]
             pf = opened.get(path) or opened.setdefault(path, pq.ParquetFile(path))
-            table = pf.read_row_group(group)
-            features = table.column("features").combine_chunks()
-            yield {"features": features.flatten().to_numpy().reshape(len(features), features.type.list_size),
-                   "label": table.column("label").to_numpy(), "row_id": table.column("row_id").to_numpy()}
+            yield readerlib.table_arrays(pf.read_row_group(group, columns=[c.name for c in self.cols]), self.cols)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         rng = np.random.default_rng((self.seed, self.epoch))
@@ -53,15 +55,15 @@ class ShuffledRowGroups(IterableDataset):
             buffer, size = _append(buffer, size, group)
             while size >= self.buffer_rows:
                 batch, size = _draw(buffer, size, self.batch_size, rng)
-                yield batch
+                yield tuple(batch[c.name] for c in self.cols)
         while buffer is not None and size > 0:
             batch, size = _draw(buffer, size, min(self.batch_size, size), rng)
-            yield batch
+            yield tuple(batch[c.name] for c in self.cols)
 
 
 def _append(buffer: dict[str, np.ndarray] | None, size: int, group: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
-    n = len(group["row_id"])
-    if buffer is None or size + n > len(buffer["row_id"]):
+    n = len(next(iter(group.values())))
+    if buffer is None or size + n > len(next(iter(buffer.values()))):
         grown = {k: np.empty((max(2 * (size + n), 1),) + v.shape[1:], v.dtype) for k, v in group.items()}
         if buffer is not None:
             for k in grown:
@@ -72,10 +74,10 @@ def _append(buffer: dict[str, np.ndarray] | None, size: int, group: dict[str, np
     return buffer, size + n
 
 
-def _draw(buffer: dict[str, np.ndarray], size: int, n: int, rng: np.random.Generator) -> tuple[tuple[torch.Tensor, ...], int]:
+def _draw(buffer: dict[str, np.ndarray], size: int, n: int, rng: np.random.Generator) -> tuple[dict[str, torch.Tensor], int]:
     """``n`` rows at random out of the buffer's first ``size``; the last ``n`` rows take their places."""
     picked = rng.choice(size, n, replace=False)
-    batch = tuple(torch.from_numpy(buffer[k][picked]) for k in ("features", "label", "row_id"))
+    batch = {k: torch.from_numpy(v[picked]) for k, v in buffer.items()}
     tail = np.arange(size - n, size)
     keep_tail = tail[~np.isin(tail, picked)]
     holes = np.sort(picked[picked < size - n])
@@ -89,7 +91,7 @@ def main() -> int:
     try:
         with readerlib.ProcTree() as tree:
             started = time.perf_counter()
-            dataset = ShuffledRowGroups(Path(args.data) / "parquet", args.batch_size, args.shuffle_rows, args.seed)
+            dataset = ShuffledRowGroups(Path(args.data) / "parquet", readerlib.columns(args.data), args.batch_size, args.shuffle_rows, args.seed)
             loader = DataLoader(dataset, batch_size=None, num_workers=args.workers,
                                 timeout=args.timeout if args.workers else 0)
 

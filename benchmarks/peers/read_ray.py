@@ -4,7 +4,8 @@ files in a shuffled order (``shuffle="files"``), read with ``iter_torch_batches(
 local_shuffle_buffer_size=--shuffle-rows)``: its local shuffle buffer, the cheaper of its two
 shuffles (``random_shuffle`` moves every row through the object store).
 
-Each epoch is another pass over the same dataset. The cluster is started by this reader, so its
+Each epoch is another pass over the same dataset. For the windows, the columns are their sources:
+a fixed-size list arrives as a [B, n] tensor and is reshaped (a view) to its source's shape. The cluster is started by this reader, so its
 processes (GCS, raylet, workers) are in the tree the reader measures; time to first batch is taken
 from ``ray.init`` and from the dataset's creation.
 """
@@ -42,12 +43,14 @@ def main() -> int:
                 started = time.perf_counter()
                 files = sorted(str(p) for p in (Path(args.data) / "parquet").glob("*.parquet"))
                 dataset = ray.data.read_parquet(files, shuffle="files")
+                cols = readerlib.columns(args.data)
 
                 def epoch(e: int) -> Any:
                     batches = dataset.iter_torch_batches(batch_size=args.batch_size,
                                                          local_shuffle_buffer_size=args.shuffle_rows,
                                                          local_shuffle_seed=args.seed * 1000 + e)
-                    return ((b["features"], b["label"], b["row_id"]) for b in batches)
+                    return (tuple(b[c.name].reshape(-1, *c.shape) if len(c.shape) > 1 else b[c.name] for c in cols)
+                            for b in batches)
 
                 result = readerlib.measure(tree, epoch, args, started, server_started)
                 peak, names = tree.peak_rss_bytes(), tree.process_names()

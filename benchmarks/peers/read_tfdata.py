@@ -6,7 +6,9 @@ TensorFlow has no Parquet reader of its own, and a dataset the service runs cann
 the table is converted once to fixed-length binary records (272 bytes: 64 float32 features, the
 int64 label, the int64 row id; a file per row group), which the worker reads with TensorFlow's own
 ops: the files in a shuffled order, 8 interleaved, a row shuffle buffer of ``--shuffle-rows``
-records, batches of 1024 decoded with ``decode_raw`` and ``bitcast``. The client hands each batch on
+records, batches of 1024 decoded with ``decode_raw`` and ``bitcast``. The windows are converted the
+same way, a record a window (its sources one after the other, each reshaped to its shape when
+decoded), a file per recording. The client hands each batch on
 as numpy (``.numpy()``), as a PyTorch training loop would take it.
 
 The servers bind every interface (their gRPC servers take no address), so the benchmark runs this
@@ -28,7 +30,10 @@ from typing import Any
 import numpy as np
 import readerlib
 
-RECORD_BYTES = 64 * 4 + 8 + 8
+
+def _record_dtype(cols: list[readerlib.Column]) -> np.dtype:
+    """A record: the columns one after the other, packed."""
+    return np.dtype([(c.name, c.dtype, c.shape) for c in cols])
 
 
 def prepare(data: Path) -> None:
@@ -41,18 +46,16 @@ def prepare(data: Path) -> None:
     tmp = data / "records.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    row = np.dtype([("features", "<f4", (64,)), ("label", "<i8"), ("row_id", "<i8")])
-    assert row.itemsize == RECORD_BYTES
+    cols = readerlib.columns(data)
+    row = _record_dtype(cols)
     n = 0
     for path in sorted((data / "parquet").glob("*.parquet")):
         pf = pq.ParquetFile(path)
         for g in range(pf.num_row_groups):
-            table = pf.read_row_group(g)
-            feats = table.column("features").combine_chunks()
-            records = np.empty(len(feats), row)
-            records["features"] = feats.flatten().to_numpy().reshape(len(feats), -1)
-            records["label"] = table.column("label").to_numpy()
-            records["row_id"] = table.column("row_id").to_numpy()
+            arrays = readerlib.table_arrays(pf.read_row_group(g), cols)
+            records = np.empty(pf.metadata.row_group(g).num_rows, row)
+            for c in cols:
+                records[c.name] = arrays[c.name]
             (tmp / f"group-{n:04d}.bin").write_bytes(records.tobytes())
             n += 1
     tmp.rename(out)
@@ -141,18 +144,23 @@ def main() -> int:
                 procs.append(_start("worker", target.removeprefix("grpc://"), args.timeout)[0])
             import tensorflow as tf
 
+            cols = readerlib.columns(data)
+            record_bytes = _record_dtype(cols).itemsize
             started = time.perf_counter()
             files = tf.data.Dataset.list_files(str(data / "records" / "*.bin"), shuffle=True, seed=args.seed)
-            rows = files.interleave(lambda f: tf.data.FixedLengthRecordDataset(f, RECORD_BYTES), cycle_length=8,
+            rows = files.interleave(lambda f: tf.data.FixedLengthRecordDataset(f, record_bytes), cycle_length=8,
                                     num_parallel_calls=tf.data.AUTOTUNE, deterministic=False)
             rows = rows.shuffle(args.shuffle_rows, seed=args.seed)
 
-            def decode(records: Any) -> tuple[Any, Any, Any]:
+            def decode(records: Any) -> tuple[Any, ...]:
                 raw = tf.io.decode_raw(records, tf.uint8)
-                features = tf.bitcast(tf.reshape(raw[:, :256], [-1, 64, 4]), tf.float32)
-                label = tf.bitcast(tf.reshape(raw[:, 256:264], [-1, 8]), tf.int64)
-                row_id = tf.bitcast(tf.reshape(raw[:, 264:272], [-1, 8]), tf.int64)
-                return features, label, row_id
+                out, at = [], 0
+                for c in cols:
+                    itemsize = np.dtype(c.dtype).itemsize
+                    part = tf.reshape(raw[:, at:at + c.row_bytes], [-1, *c.shape, itemsize])
+                    out.append(tf.bitcast(part, tf.as_dtype(np.dtype(c.dtype))))
+                    at += c.row_bytes
+                return tuple(out)
 
             batches = rows.batch(args.batch_size).map(decode, num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
             distributed = batches.apply(tf.data.experimental.service.distribute("parallel_epochs", target))

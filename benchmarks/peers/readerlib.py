@@ -7,10 +7,13 @@ their own folder. It measures everything that the reader starts: servers, DataLo
 dispatchers, raylets are its descendants, and their CPU time and peak resident memory are read
 from /proc for the whole tree.
 
-The timed pass is ``epochs`` epochs of batches of ``batch_size`` rows, each a tuple (features,
-label, row_id) of numpy arrays or of tensors with a ``.numpy()`` (torch, TensorFlow). Every array
-is touched (one element read), and the row ids of every batch are kept (a copy of 8 bytes a row)
-to count, after the pass, each epoch's distinct rows and how many row groups each batch mixes.
+The timed pass is ``epochs`` epochs of batches of ``batch_size`` rows, each a tuple of numpy
+arrays or of tensors with a ``.numpy()`` (torch, TensorFlow), one per column of the data, in the
+columns' order (``columns``: the flat table's features, label and row id, or what the data folder's
+``columns.json`` names: the sources of a window). Every array is touched (one element read), and
+the ids of every batch (the id column: a row id, a window's sample id) are kept (a copy of 8 bytes
+a row) to count, after the pass, each epoch's distinct rows and how many groups each batch mixes (id
+// ``--rows-per-group``: a row group of the table, a recording of the windows).
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
-__all__ = ["parser", "ProcTree", "measure", "emit", "fail"]
+__all__ = ["parser", "Column", "columns", "id_column", "table_arrays", "ProcTree", "measure", "emit", "fail"]
 
 SAMPLE_INTERVAL_S = 0.2
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -46,7 +50,63 @@ def parser(description: str | None) -> argparse.ArgumentParser:
                    help="rows of a shuffle buffer, for the peers whose shuffle is one")
     p.add_argument("--prepare", action="store_true", help="write the peer's copy of the table, then exit")
     p.add_argument("--timeout", type=float, default=120.0, help="the longest wait for any one batch, where the peer has one")
+    p.add_argument("--dataset", default=None,
+                   help="what fuelline serves, where it is not the data folder's parquet/ (the converted multimodal "
+                        "dataset, whose windows the others read materialised)")
     return p
+
+
+# -- the columns -------------------------------------------------------------------------------------
+class Column(NamedTuple):
+    """A column as a batch delivers it: [B, *shape] of dtype. In Parquet, an array column is a
+    fixed-size list of its flattened values."""
+
+    name: str
+    dtype: str  # numpy's, e.g. "<f4"
+    shape: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def row_bytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+
+TABLE_COLUMNS = (Column("features", "<f4", (64,)), Column("label", "<i8", ()), Column("row_id", "<i8", ()))
+
+
+def _described(data: str | Path) -> dict[str, Any] | None:
+    path = Path(data) / "columns.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def columns(data: str | Path) -> list[Column]:
+    """The columns of the data folder: those its ``columns.json`` lists, else the flat table's."""
+    described = _described(data)
+    if described is None:
+        return list(TABLE_COLUMNS)
+    return [Column(c["name"], c["dtype"], tuple(c["shape"])) for c in described["columns"]]
+
+
+def id_column(data: str | Path) -> str:
+    """The column that names a row (unique in the data, id // rows per group: its group)."""
+    described = _described(data)
+    return "row_id" if described is None else str(described["id"])
+
+
+def table_arrays(table: Any, cols: Sequence[Column]) -> dict[str, np.ndarray]:
+    """A pyarrow table's columns as numpy arrays of [rows, *shape] (fixed-size lists flattened and
+    reshaped, without a copy where the data allow)."""
+    out = {}
+    for c in cols:
+        column = table.column(c.name).combine_chunks()
+        if c.shape:
+            out[c.name] = column.flatten().to_numpy().reshape(len(column), *c.shape)
+        else:
+            out[c.name] = column.to_numpy()
+    return out
 
 
 # -- the process tree --------------------------------------------------------------------------------
@@ -185,6 +245,7 @@ def measure(tree: ProcTree, epochs: Callable[[int], Iterable[Sequence[Any]]], ar
     batch's; the CPU time of the whole tree is taken over that span too, and also from the
     reader's start to the end.
     """
+    at = [c.name for c in columns(args.data)].index(id_column(args.data))
     cpu_reader0 = tree.cpu_seconds()
     first = last = None
     cpu_first = 0.0
@@ -199,7 +260,7 @@ def measure(tree: ProcTree, epochs: Callable[[int], Iterable[Sequence[Any]]], ar
             for a in arrays:
                 if a.size:
                     a.item(0)
-            ids[-1].append(np.array(arrays[2], dtype=np.int64).reshape(-1))
+            ids[-1].append(np.array(arrays[at], dtype=np.int64).reshape(-1))
             batches += 1
             if first is None:
                 first = now
@@ -223,8 +284,8 @@ def measure(tree: ProcTree, epochs: Callable[[int], Iterable[Sequence[Any]]], ar
 
 
 def _mix(ids: list[list[np.ndarray]], args: argparse.Namespace) -> dict[str, Any]:
-    """Each epoch's rows and distinct rows, and the mean number of distinct row groups (row id //
-    rows per group) in a full batch."""
+    """Each epoch's rows and distinct rows, and the mean number of distinct groups (id // rows per
+    group: row groups of the table, recordings of the windows) in a full batch."""
     per_batch = [len(np.unique(b // args.rows_per_group)) for epoch in ids for b in epoch if len(b) == args.batch_size]
     epoch_rows = [int(sum(len(b) for b in epoch)) for epoch in ids]
     distinct = [int(len(np.unique(np.concatenate(epoch)))) if epoch else 0 for epoch in ids]
