@@ -1,13 +1,16 @@
 """deploy/kubernetes stays true to the code, without a cluster: the containers' command and args
 (on top of the image's ENTRYPOINT where only args are given) parsed by the project's parsers,
 probes, mounts, the Service and NetworkPolicy, restart policies and which server each trainer
-reads; and, across compose and Kubernetes, that trainers present keys to CURVE servers."""
+reads; that the conversion Jobs' parts cover the dataset, their finish fits them, and the servers
+serve what they write; and, across compose and Kubernetes, that trainers present keys to CURVE
+servers."""
 
 from __future__ import annotations
 
 import functools
 import re
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any
 
 import pytest
@@ -26,7 +29,11 @@ from support.deploy import (
 )
 
 # Manifests that kustomization.yaml leaves out on purpose, and why.
-APPLIED_ALONE = {"trainer-pytorchjob.yaml": "needs the Kubeflow training operator's CRD"}
+APPLIED_ALONE = {
+    "trainer-pytorchjob.yaml": "needs the Kubeflow training operator's CRD",
+    "convert-job.yaml": "fills the dataset volume once, before the servers serve it",
+    "convert-finish-job.yaml": "runs once the parts of convert-job.yaml are complete",
+}
 
 # What the Kubeflow training operator puts into a PyTorchJob's containers, for $(VAR) in args.
 PYTORCHJOB_ENV = {
@@ -72,7 +79,13 @@ def pods() -> list[Pod]:
     for file, docs in manifests().items():
         for doc in docs:
             kind, name = doc.get("kind"), doc.get("metadata", {}).get("name")
-            if kind in ("Deployment", "StatefulSet", "Job"):
+            if kind == "Job" and doc["spec"].get("completionMode") == "Indexed":
+                # One pod per index, each with the index the Job controller gives it.
+                template = doc["spec"]["template"]
+                for index in range(int(doc["spec"]["completions"])):
+                    found.append(Pod(f"{file} {kind}/{name} index {index}", kind, doc, template,
+                                     template["spec"].get("restartPolicy"), {"JOB_COMPLETION_INDEX": str(index)}))
+            elif kind in ("Deployment", "StatefulSet", "Job"):
                 template = doc["spec"]["template"]
                 found.append(Pod(f"{file} {kind}/{name}", kind, doc, template,
                                  template["spec"].get("restartPolicy"), {}))
@@ -140,6 +153,10 @@ def _trainers() -> list[Container]:
     return [c for c in containers() if c.command.trainer is not None]
 
 
+def _converters() -> list[Container]:
+    return [c for c in containers() if c.command.fuelline is not None and c.command.fuelline.command == "convert"]
+
+
 def test_kustomization_lists_the_manifests():
     (file, kustomization), = _objects("Kustomization")
     listed = kustomization["resources"]
@@ -154,8 +171,10 @@ def test_kustomization_lists_the_manifests():
 
 def test_kubernetes_command_lines_parse():
     assert len(_servers()) >= 1 and len(_trainers()) >= 2, "data servers, a trainer Job and a PyTorchJob"
+    assert len(_converters()) >= 2, "the conversion's parts and its finish"
     for container in containers():
-        assert container.command.serves or container.command.trainer is not None, container.command.show()
+        assert container.command.serves or container.command.trainer is not None or container in _converters(), (
+            container.command.show())
         resources = container.spec.get("resources", {})
         assert resources.get("requests") and resources.get("limits"), f"{container.where}: resources"
 
@@ -229,6 +248,53 @@ def test_kubernetes_trainers_read_a_server_and_restart_on_failure():
             assert trainer.spec["name"] == "pytorch", f"{where}: the operator runs the container named pytorch"
             assert str(trainer.pod.owner["spec"].get("nprocPerNode")) == nproc_per_node(cmd), (
                 f"{where}: nprocPerNode and torchrun's --nproc_per_node differ")
+
+
+def test_kubernetes_convert_parts_cover_the_dataset_and_the_finish_fits_them():
+    parts = [c for c in _converters() if c.command.fuelline.part is not None]
+    finishes = [c for c in _converters() if c.command.fuelline.finish is not None]
+    assert parts and finishes, "an Indexed Job of parts and a Job that finishes them"
+    jobs = {id(c.pod.owner): c.pod.owner for c in parts}
+    assert len(jobs) == 1, "one Job converts the parts"
+    (job,) = jobs.values()
+    spec, where = job["spec"], f"Job/{job['metadata']['name']}"
+    assert spec.get("completionMode") == "Indexed", f"{where}: pod I converts part I"
+    completions = int(spec["completions"])
+    assert 1 <= int(spec.get("parallelism", 1)) <= completions, f"{where}: parallelism"
+    # Every index converts its own part of the same N, and together they are every part.
+    assert sorted(c.command.fuelline.part for c in parts) == [(i, completions) for i in range(completions)], (
+        f"{where}: --part must be $(JOB_COMPLETION_INDEX)/{completions}")
+    for c in parts:
+        declared = {e["name"]: e for e in c.spec.get("env", [])}.get("JOB_COMPLETION_INDEX")
+        if declared is not None:
+            field = declared.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            assert field == "metadata.annotations['batch.kubernetes.io/job-completion-index']", c.where
+        assert c.pod.restart_policy in ("OnFailure", "Never"), f"{c.where}: a restartPolicy that ends"
+    same = ("raw", "dataset", "val_fraction", "seed", "recordings_per_shard")
+    want = {k: getattr(parts[0].command.fuelline, k) for k in same}
+    for c in [*parts, *finishes]:
+        ns = c.command.fuelline
+        assert {k: getattr(ns, k) for k in same} == want, f"{c.where}: not the parts' RAW, DATASET and options"
+        assert c.pod.restart_policy in ("OnFailure", "Never"), f"{c.where}: a restartPolicy that ends"
+    for c in finishes:
+        assert c.command.fuelline.finish == completions, f"{c.where}: --finish {completions}, the parts' N"
+    # On the servers' dataset volume, writable, and the servers serve the very folder DATASET becomes.
+    (server,) = {id(s.pod.owner): s for s in _servers()}.values()
+    served = server.mounts()[server.command.fuelline.dataset]
+    claim = server.volume(served)["persistentVolumeClaim"]["claimName"]
+    for c in [*parts, *finishes]:
+        ns = c.command.fuelline
+        for path in (ns.raw, ns.dataset):
+            mount = next((m for p, m in c.mounts().items() if under(path, p)), None)
+            assert mount is not None, f"{c.where}: {path} is on no volume"
+            assert "persistentVolumeClaim" in c.volume(mount), f"{c.where}: {path} is on no PVC"
+        mount_path, mount = next((p, m) for p, m in c.mounts().items() if under(ns.dataset, p))
+        assert not mount.get("readOnly"), f"{c.where}: writes {ns.dataset} on a read-only mount"
+        assert c.volume(mount)["persistentVolumeClaim"]["claimName"] == claim, (
+            f"{c.where}: writes the dataset on another volume than the servers' {claim}")
+        inside = str(PurePosixPath(ns.dataset).relative_to(mount_path))
+        assert served.get("subPath") == inside, (
+            f"{c.where}: writes {inside}/ of the volume, the servers serve {served.get('subPath') or 'its root'}")
 
 
 # ---------------------------------------------------------------------------------------------

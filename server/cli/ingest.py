@@ -13,7 +13,7 @@ from fuelline.server.ingest.convert import convert
 from fuelline.server.ingest.synth import synthesize
 from fuelline.server.multimodal.manifest import Manifest
 
-__all__ = ["register", "register_synth", "register_convert", "register_upgrade", "run_synth", "run_convert", "run_upgrade", "summary"]
+__all__ = ["register", "register_synth", "register_convert", "register_upgrade", "run_synth", "run_convert", "run_upgrade", "summary", "part_of"]
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -92,11 +92,34 @@ def register_convert(sub: "argparse._SubParsersAction[argparse.ArgumentParser]")
     parser.add_argument("--seed", type=int, default=0, help="seed of the train/val split")
     parser.add_argument("--recordings-per-shard", type=positive_int, default=16,
                         help="recordings per Parquet file")
+    # Converting in parts, on many hosts sharing a file system (fuelline.server.ingest.parts).
+    steps = parser.add_mutually_exclusive_group()
+    steps.add_argument("--part", type=part_of, metavar="I/N",
+                       help="convert only part I of N (0 <= I < N, split on shard boundaries) into DATASET.parts; "
+                            "run every part with the same options, then --finish N")
+    steps.add_argument("--zscore-part", type=part_of, metavar="I/N",
+                       help="optional, once every part is there: write part I's z-scored grids, so that --finish "
+                            "does not write them all on one host")
+    steps.add_argument("--finish", type=positive_int, metavar="N",
+                       help="check the N parts in DATASET.parts and make DATASET of them (atomic), then remove "
+                            "DATASET.parts")
     parser.set_defaults(func=run_convert)
 
 
-def summary(manifest: Manifest, dataset: str, seconds: float) -> str:
-    """What ``fuelline convert`` prints: counts, sizes, speed and the compression ratio."""
+def part_of(text: str) -> tuple[int, int]:
+    """``I/N``: part I of N, 0 <= I < N."""
+    index, slash, count = text.partition("/")
+    if not (slash and index.strip().isdigit() and count.strip().isdigit()):
+        raise argparse.ArgumentTypeError(f"must be I/N (part I of N), got {text!r}")
+    part, parts = int(index), int(count)
+    if not 0 <= part < parts:
+        raise argparse.ArgumentTypeError(f"must be I/N with 0 <= I < N, got {text}")
+    return part, parts
+
+
+def summary(manifest: Manifest, dataset: str, seconds: float, parts: int | None = None) -> str:
+    """What ``fuelline convert`` prints: counts, sizes, speed and the compression ratio; with
+    ``parts``, what ``--finish`` prints (its seconds are the finish's, which reads no TSV)."""
     per_split = ", ".join(f"{s} {len(manifest.split(s))}" for s in manifest.splits)
     rows = ", ".join(
         f"{m} {sum(r.modalities[m].rows for r in manifest.recordings)}" for m in manifest.modalities
@@ -106,10 +129,12 @@ def summary(manifest: Manifest, dataset: str, seconds: float) -> str:
     places = [p for r in manifest.recordings for p in r.modalities.values()]
     shards = sum(os.path.getsize(os.path.join(dataset, f)) for f in sorted({p.file for p in places}))
     grids = sum(os.path.getsize(os.path.join(dataset, f)) for f in sorted({f for p in places for f in (p.grid_file, p.zgrid_file)}))
+    read = (f"read {source_mb:.1f} MB of TSV in {seconds:.2f}s ({rate:.1f} MB/s)" if parts is None else
+            f"made of {parts} parts of {source_mb:.1f} MB of TSV in {seconds:.2f}s")
     return (
         f"wrote {dataset}: {len(manifest.recordings)} recordings ({per_split})\n"
         f"rows: {rows}\n"
-        f"read {source_mb:.1f} MB of TSV in {seconds:.2f}s ({rate:.1f} MB/s), "
+        f"{read}, "
         f"wrote {dataset_mb:.1f} MB: Parquet shards {shards / 1e6:.1f} MB (compression {manifest.source_bytes / shards:.1f}:1) "
         f"and master grids, raw and z-scored, {grids / 1e6:.1f} MB"
     )
@@ -117,10 +142,51 @@ def summary(manifest: Manifest, dataset: str, seconds: float) -> str:
 
 def run_convert(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    options = {"val_fraction": args.val_fraction, "seed": args.seed, "recordings_per_shard": args.recordings_per_shard}
     try:
-        manifest = convert(args.raw, args.dataset, val_fraction=args.val_fraction, seed=args.seed,
-                           recordings_per_shard=args.recordings_per_shard)
+        if getattr(args, "part", None) is not None:
+            print(_converted_part(args, options))
+            return 0
+        if getattr(args, "zscore_part", None) is not None:
+            print(_zscored_part(args, options))
+            return 0
+        if getattr(args, "finish", None) is not None:
+            from fuelline.server.ingest.parts import finish
+
+            manifest = finish(args.raw, args.dataset, args.finish, **options)
+            print(summary(manifest, args.dataset, time.perf_counter() - start, parts=args.finish))
+            return 0
+        manifest = convert(args.raw, args.dataset, **options)
     except OptionError as exc:  # (the library names the argument; here the flag)
         raise DataError(f"--{exc.option.replace('_', '-')} {exc.rule}") from None
     print(summary(manifest, args.dataset, time.perf_counter() - start))
     return 0
+
+
+def _converted_part(args: argparse.Namespace, options: dict) -> str:
+    from fuelline.server.ingest.parts import convert_part, part_folder
+
+    part, parts = args.part
+    record = convert_part(args.raw, args.dataset, part, parts, **options)
+    where = part_folder(args.dataset, part, parts)
+    if record["skipped"]:
+        return f"part {part}/{parts} of {args.dataset} is already in {where}, made from the same recordings and options"
+    (first, stop), (shard, shard_stop) = record["recordings"], record["shards"]
+    mb, seconds = record["signal_bytes"] / 1e6, record["seconds"]
+    rate = mb / seconds if seconds > 0 else float("inf")
+    return (f"wrote part {part}/{parts} of {args.dataset} in {where}: recordings {first}..{stop - 1} "
+            f"(shards {shard}..{shard_stop - 1}); read {mb:.1f} MB of TSV in {seconds:.2f}s ({rate:.1f} MB/s)"
+            if stop > first else
+            f"wrote part {part}/{parts} of {args.dataset} in {where}: no recordings (fewer shards than parts)")
+
+
+def _zscored_part(args: argparse.Namespace, options: dict) -> str:
+    from fuelline.server.ingest.parts import part_folder, zscore_part
+
+    part, parts = args.zscore_part
+    record = zscore_part(args.raw, args.dataset, part, parts, **options)
+    where = part_folder(args.dataset, part, parts)
+    if record["skipped"]:
+        return f"the z-scored grids of part {part}/{parts} are already in {where}"
+    return (f"wrote the z-scored grids of part {part}/{parts} in {where}: {len(record['files'])} files, "
+            f"{sum(record['files'].values()) / 1e6:.1f} MB in {record['seconds']:.2f}s")

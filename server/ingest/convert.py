@@ -90,13 +90,29 @@ class RunningStats:
 
     def add(self, x: np.ndarray) -> None:
         if self._shift is None:
-            self._shift = x.mean(axis=0, dtype=np.float64)
-            self._sum = np.zeros_like(self._shift)
-            self._sum_sq = np.zeros_like(self._shift)
+            self.start(x.mean(axis=0, dtype=np.float64))
+        self.add_sums(*self.sums(x))
+
+    @property
+    def shift(self) -> np.ndarray | None:
+        return self._shift
+
+    def start(self, shift: np.ndarray) -> None:
+        """Take sums around ``shift`` from now on (``add`` takes the first recording's mean)."""
+        self._shift = shift
+        self._sum = np.zeros_like(shift)
+        self._sum_sq = np.zeros_like(shift)
+
+    def sums(self, x: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
+        """One recording's samples, their sum and sum of squares around the shift: what ``add``
+        adds, kept apart so that a conversion in parts can add them later in the same order."""
         d = x.astype(np.float64) - self._shift
-        self._sum += d.sum(axis=0)
-        self._sum_sq += np.einsum("ij,ij->j", d, d)
-        self.count += len(x)
+        return len(x), d.sum(axis=0), np.einsum("ij,ij->j", d, d)
+
+    def add_sums(self, count: int, total: np.ndarray, total_sq: np.ndarray) -> None:
+        self._sum += total
+        self._sum_sq += total_sq
+        self.count += count
 
     def result(self) -> dict[str, list[float]]:
         if not self.count:
@@ -228,11 +244,15 @@ class _Conversion:
         self.stats = {m: RunningStats() for m in MODALITIES}
         self.source_bytes = source.index_bytes
 
-    def write_shards(self, recordings_per_shard: int, workers: int, bar: tqdm) -> None:
+    def write_shards(self, recordings_per_shard: int, workers: int, bar: tqdm,
+                     recordings: Sequence[RawRecording] | None = None, first: int = 0) -> None:
+        """Shards of ``recordings`` (all by default), the first being recording ``first`` of the
+        raw folder, which starts a shard: shards are numbered as a whole conversion numbers them."""
+        recordings = self.source.recordings if recordings is None else recordings
         shard: _Shard | None = None
         try:
-            with closing(_read_ahead(self.source, self.source.recordings, workers)) as signals_in_order:
-                for i, (raw, signals) in enumerate(signals_in_order):
+            with closing(_read_ahead(self.source, recordings, workers)) as signals_in_order:
+                for i, (raw, signals) in enumerate(signals_in_order, start=first):
                     if i % recordings_per_shard == 0:
                         if shard is not None:
                             shard.close()
@@ -346,8 +366,12 @@ def _write(source: RawDataset, root: str, splits: Mapping[str, str], seed: int, 
               file=sys.stderr, desc="convert") as bar:
         conversion.write_shards(recordings_per_shard, min(READ_THREADS, os.cpu_count() or 1), bar)
     conversion.zscore_grids()
-    extra = {"recordings_per_shard": recordings_per_shard, "compression": COMPRESSION}
-    return conversion.manifest(seed, val_fraction, extra)
+    return conversion.manifest(seed, val_fraction, _extra(recordings_per_shard))
+
+
+def _extra(recordings_per_shard: int) -> dict[str, object]:
+    """The manifest's ``extra``: how the dataset was written."""
+    return {"recordings_per_shard": recordings_per_shard, "compression": COMPRESSION}
 
 
 # -- command line ------------------------------------------------------------------------------
