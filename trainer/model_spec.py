@@ -118,7 +118,7 @@ def build_model(args: Any, sources: tuple[str, ...], schema: Mapping[str, Any], 
         factory, name = load_factory(args.model), args.model
     if args.label_source not in sources:
         raise DataError(f"--label-source {args.label_source!r}: the server serves no such source (it serves {list(sources)})")
-    names, classes, counts = class_facts(info, args.classes, scan)
+    names, classes, counts = class_facts(info, args.classes, scan, args.label_source)
     if classes < 2:
         raise DataError(f"{classes} class(es) in label source {args.label_source!r}: a classifier needs at least 2")
     spec = ModelSpec(sources=tuple(sources), schema=schema, classes=classes, class_names=names,
@@ -192,12 +192,16 @@ def scan_classes(stream_options: Mapping[str, Any], source: str, device: torch.d
         return count_classes((b[source] for b in labels.get_epoch_iterator(as_dict=True)), source, device)
 
 
-def class_facts(info: Mapping[str, Any], classes: int | None,
-                scan: Callable[[], int]) -> tuple[tuple[str, ...] | None, int, list[int] | None]:
+def class_facts(info: Mapping[str, Any], classes: int | None, scan: Callable[[], int],
+                label_source: str | None = None) -> tuple[tuple[str, ...] | None, int, list[int] | None]:
     """Class names (None if the server knows none), the number of classes, and train examples per
-    class (None if the server gives no counts). The count comes from the server's names, else
-    ``--classes``, else ``scan()`` (a pass over the train labels)."""
+    class (None if the server gives no counts). The count comes from the server's names (a
+    multimodal dataset's emotions; the classes ``fuelline import`` recorded for the label column,
+    when that is ``label_source``), else ``--classes``, else ``scan()`` (a pass over the train
+    labels)."""
     names = tuple(info["emotions"]) if "emotions" in info else None
+    if names is None and "class_names" in info and info.get("label") == label_source:
+        names = tuple(info["class_names"])
     if names is not None:
         if classes is not None and classes != len(names):
             raise DataError(f"--classes {classes}: the server names {len(names)} classes {list(names)}")

@@ -3,7 +3,8 @@
 For a converted multimodal dataset: recordings per split and emotion, valid windows per class and
 dropped windows per reason (for the given --window/--hop/--max-gap), bytes on disk, the
 compression of the Parquet shards against the raw TSV, and the bytes of the master grids. For a plain Parquet dataset: splits, rows, files, row
-groups, the columns served and those that are not.
+groups, the label's classes where `fuelline import` recorded them, the columns served and those that
+are not, and advice where what would be served is most likely not what was meant.
 """
 
 from __future__ import annotations
@@ -59,15 +60,62 @@ def describe(
         }
     from fuelline.server.sources.parquet import ParquetSource
 
-    src = ParquetSource(path, cache_dir=cache_dir, cache_mb=cache_mb)
+    table = ParquetSource(path, cache_dir=cache_dir, cache_mb=cache_mb)
+    splits: dict[str, dict[str, Any]] = {}
+    for s in table.splits:
+        info = table.info(s)
+        splits[s] = {k: info[k] for k in ("rows", "files", "row_groups", "max_row_group_bytes")}
+        splits[s].update({k: info[k] for k in ("label", "class_names", "class_counts") if k in info})
+    sources = {k: dict(v) for k, v in table.schema().items()}
     return {
         "dataset": name,
         "kind": "parquet",
-        "sources": src.schema(),
-        "not_served": dict(src.unservable),
-        "splits": {s: {k: src.info(s)[k] for k in ("rows", "files", "row_groups")} for s in src.splits},
+        "sources": sources,
+        "not_served": dict(table.unservable),
+        "splits": splits,
         "disk_bytes": disk,
+        "advice": advice(sources, dict(table.unservable), splits),
     }
+
+
+SCALAR_SOURCES = 16  # more sources of one number each than this: advise a group
+
+
+def advice(sources: dict[str, Any], not_served: dict[str, str], splits: dict[str, Any]) -> list[str]:
+    """What a plain Parquet dataset would serve that a user most likely did not mean, each with
+    the fix."""
+    out = []
+    index = [n for n in sources if n.startswith("__index_level_")]
+    if index:
+        out.append(f"{', '.join(index)} is pandas' index, served as a source: write the frame with "
+                   "to_parquet(index=False), or with `fuelline import`")
+    scalars = [n for n, spec in sources.items() if not spec["shape"] and n not in index and n != "sample_id"]
+    if len(scalars) > SCALAR_SOURCES:
+        out.append(f"{len(scalars)} sources of one number each ({', '.join(scalars[:3])}, …): a batch is as many "
+                   "arrays; gather them into one with `fuelline import --group 'features=PATTERN'`")
+    if not_served:
+        out.append(f"{len(not_served)} column(s) not served ({', '.join(not_served)}): `fuelline import` makes lists "
+                   "of one length into sources of that shape, and names what cannot be")
+    if "sample_id" not in sources:
+        out.append("no sample_id column: the trainer drops a split's wrap-padding by sample_id, and `fuelline "
+                   "stream` counts by it; `fuelline import` makes one")
+    if "train" in splits and "val" not in splits:
+        out.append("no val split: the trainer evaluates on val; `fuelline import --val-fraction` makes one")
+    for split, s in splits.items():
+        if s["max_row_group_bytes"] > 256 << 20:
+            out.append(f"{split}: row groups of up to {s['max_row_group_bytes'] / 1e6:.0f} MB decoded; a reader holds "
+                       "3 × --shuffle-block of them: rewrite with smaller row groups (`fuelline import`)")
+        elif s["row_groups"] < 8 and s["rows"] >= 8 * 256:
+            out.append(f"{split}: {s['row_groups']} row group(s); a server reads, shuffles and spreads work over "
+                       "row groups: 8 or more shuffle better (`fuelline import`)")
+    return out
+
+
+def _dtype(spec: dict[str, Any]) -> str:
+    import numpy as np
+
+    shape = spec["shape"]
+    return f"{np.dtype(spec['dtype']).name} [{', '.join(map(str, shape))}]" if shape else f"{np.dtype(spec['dtype']).name}"
 
 
 def _print(report: dict[str, Any]) -> None:
@@ -89,10 +137,14 @@ def _print(report: dict[str, Any]) -> None:
     else:
         for split, s in report["splits"].items():
             print(f"  {split}: {s['rows']} rows in {s['files']} files, {s['row_groups']} row groups")
+            if "class_counts" in s:
+                print(f"    {s['label']} per class: " + ", ".join(f"{c} {n}" for c, n in s["class_counts"].items()))
         for name, spec in report["sources"].items():
-            print(f"  source {name}: {spec['dtype']} {tuple(spec['shape'])}")
+            print(f"  source {name}: {_dtype(spec)}")
         for why in report["not_served"].values():
             print(f"  not served: {why}")
+        for line in report["advice"]:
+            print(f"  advice: {line}")
 
 
 def run(args: argparse.Namespace) -> int:

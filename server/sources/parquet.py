@@ -15,6 +15,7 @@ stages, and one whose dtypes differ is cast to the learnt ones.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -40,11 +41,48 @@ from fuelline.server.sources.fingerprint import (
 from fuelline.server.sources.options import SourceOptions
 from fuelline.server.sources.storage import FileStat, Store, storage_info
 
-__all__ = ["ParquetSource", "find_splits"]
+__all__ = ["ParquetSource", "find_splits", "TABLE_METADATA_KEY", "label_classes"]
 
 log = logging.getLogger("fuelline.server")
 
 DEFAULT_SPLIT = "train"
+# A file's key-value metadata written by ``fuelline import`` (``fuelline.server.ingest.tables``):
+# JSON with the label column's name, its class names where they were strings, and its counts.
+TABLE_METADATA_KEY = b"fuelline.table"
+
+
+def label_classes(metadata: Sequence[Any]) -> dict[str, Any]:
+    """The label facts of a split from its files' footers (``pq.FileMetaData``): ``label`` (the
+    column), ``class_counts`` ({class name: rows}) and ``class_names`` (in class index order,
+    where the classes are 0..C-1); empty unless every file says the same label."""
+    described: list[dict[str, Any]] = []
+    for meta in metadata:
+        raw = (meta.metadata or {}).get(TABLE_METADATA_KEY)
+        try:
+            said = json.loads(raw) if raw is not None else None
+        except ValueError:
+            return {}
+        if not isinstance(said, dict) or "label" not in said:
+            return {}
+        described.append(said)
+    if not described:
+        return {}
+    label, names = described[0]["label"], described[0].get("classes")
+    if any(d["label"] != label or d.get("classes") != names for d in described):
+        return {}
+    counts: dict[int, int] = {}
+    for d in described:
+        for key, n in (d.get("counts") or {}).items():
+            counts[int(key)] = counts.get(int(key), 0) + int(n)
+    if names is None and counts and sorted(counts) == list(range(max(counts) + 1)):
+        names = [str(c) for c in range(max(counts) + 1)]
+    facts: dict[str, Any] = {"label": label}
+    if names is not None:
+        facts["class_names"] = list(names)
+        facts["class_counts"] = {name: counts.get(i, 0) for i, name in enumerate(names)}
+    else:
+        facts["class_counts"] = {str(c): n for c, n in sorted(counts.items())}
+    return facts
 
 
 def _parquet_files(store: Store, folder: str) -> list[str]:
@@ -136,6 +174,7 @@ class ParquetSource(UnitSource):
         self._columns: dict[str, ColumnSpec] = {}
         self.unservable: dict[str, str] = {}
         self._splits = {name: self._scan(name, files) for name, files in find_splits(self.store).items()}
+        self._labels = {name: label_classes(sp.metadata) for name, sp in self._splits.items()}
         if not self._columns:
             raise DataError(
                 f"dataset {self.store.where()!r} has no servable columns: " + "; ".join(self.unservable.values())
@@ -287,11 +326,13 @@ class ParquetSource(UnitSource):
             "rows": s.rows,
             "files": len(s.files),
             "row_groups": len(s.unit_rows),
+            "max_row_group_bytes": s.max_unit_bytes,
             "disk_bytes": s.disk_bytes,
             "batch_size": self.batch_size,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_block": self.shuffle_block,
+            **self._labels[split],
             **({"stages": list(self.stage_names)} if self.stage_names else {}),
             **skipped_summary(self.skipped, split, "skipped_shards"),
             "storage": storage_info(self.store),
