@@ -2,7 +2,8 @@
 every benchmark's headline ratio beside its target.
 
 Contenders are bars at their median with the min–max of the rounds as error bars; targets and
-reference figures are horizontal lines.
+reference figures are horizontal lines. In the summary each headline is a bar as long as its figure
+(the number printed at it), and its target a mark on the bar's row.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,8 +19,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.ticker  # noqa: E402
 
-__all__ = ["contenders", "pipeline", "overlap", "scaling", "compression", "trainer", "for_record", "headlines", "summary"]
+__all__ = ["contenders", "pipeline", "overlap", "scaling", "compression", "trainer", "for_record", "headlines", "summary",
+           "summary_bars", "summary_figure"]
 
 FUELLINE_COLOR, OTHER_COLOR, REF_COLOR, TARGET_COLOR = "#1f77b4", "#9a9a9a", "#d62728", "#2ca02c"
 
@@ -270,6 +274,62 @@ def _any_quick(results_dir: Path) -> bool:
     return False
 
 
+SUMMARY_LABEL_WIDTH = 46  # characters of a headline's label per line, so that no label is cut
+
+
+def summary_bars(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the summary plot draws for each of ``headlines()``'s rows: its label (wrapped), the
+    bar's width, which is the figure itself, the text printed at the bar (the same figure), the
+    target's place (None: no target) and the bar's color (met, missed, no target)."""
+    bars = []
+    for r in rows:
+        if r["target"] is None:
+            color, note = OTHER_COLOR, ""
+        else:
+            color = TARGET_COLOR if r["meets"] else REF_COLOR
+            note = f"  (target {'≥' if r['higher_is_better'] else '≤'} {r['target']:.3g})"
+        bars.append({"label": textwrap.fill(f"{r['benchmark']}: {r['what']}", SUMMARY_LABEL_WIDTH),
+                     "width": r["value"], "text": f"{r['value']:.3g}{note}",
+                     "target": r["target"], "color": color})
+    return bars
+
+
+def summary_figure(rows: Sequence[dict[str, Any]], quick: bool = False) -> Any:
+    """The headlines as bars whose length is the figure printed at them, on a log scale (they
+    span ratios from hundredths to tens), each target a black mark on its bar's row."""
+    bars = summary_bars(rows)
+    wrapped = sum(b["label"].count("\n") for b in bars)
+    fig, ax = plt.subplots(figsize=(11, 0.3 * len(bars) + 0.1 * wrapped + 1.6))
+    ys = list(range(len(bars)))
+    # From 0, so a bar's width is its figure; a log axis shows it from the axis' left edge.
+    ax.barh(ys, [b["width"] for b in bars], left=0.0, color=[b["color"] for b in bars], height=0.7)
+    marked = [(b["target"], y) for b, y in zip(bars, ys) if b["target"] is not None]
+    if marked:
+        ax.plot([t for t, _ in marked], [y for _, y in marked], linestyle="none", marker="|", markersize=14,
+                markeredgewidth=2.5, color="black", label="target")
+    ax.set_xscale("log")
+    ends = [b["width"] for b in bars if b["width"] > 0] + [t for t, _ in marked if t > 0] or [1.0]
+    ax.set_xlim(10 ** math.floor(math.log10(min(ends)) - 0.3), max(ends) * 12)
+    for y, b in zip(ys, bars):  # (past the target's mark, which may lie beyond the bar)
+        ax.text(max(b["width"], b["target"] or 0.0) * 1.12, y, b["text"], va="center", fontsize=7)
+    ax.axvline(1.0, color="black", linewidth=0.6, linestyle=":")
+    ax.set_yticks(ys)
+    ax.set_yticklabels([b["label"] for b in bars], fontsize=7)
+    ax.set_ylim(max(len(bars), 1) - 0.5, -0.5)
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_xlabel("the figure: a ratio of medians (log scale; the dotted line is 1)")
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=TARGET_COLOR, label="meets its target"), Patch(color=REF_COLOR, label="misses it"),
+               Patch(color=OTHER_COLOR, label="no target")]
+    handles += ax.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, fontsize=7, loc="upper right")
+    ax.set_title("fuelline benchmarks: headline ratios and their targets"
+                 + ("\n(QUICK RUN: not a measurement)" if quick else ""), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def summary(results_dir: Path) -> list[Path]:
     """``summary.md`` and ``summary.png``: every headline beside its target."""
     rows = headlines(results_dir)
@@ -288,33 +348,4 @@ def summary(results_dir: Path) -> list[Path]:
     tmp = md.with_name("summary.md.tmp")
     tmp.write_text("\n".join(lines))
     os.replace(tmp, md)
-
-    # Each headline as a share of its target (>= 1: met); headlines without a target as they are.
-    fig, ax = plt.subplots(figsize=(12, 0.45 * max(len(rows), 1) + 1.8))
-    labels, values, colors = [], [], []
-    for r in rows:
-        if r["target"] is not None:
-            score = r["value"] / r["target"] if r["higher_is_better"] else r["target"] / r["value"]
-            colors.append(TARGET_COLOR if r["meets"] else REF_COLOR)
-        else:
-            score = r["value"]
-            colors.append(OTHER_COLOR)
-        labels.append(f"{r['benchmark']}: {r['what']}")
-        values.append(score)
-    # A bar longer than CLIP is cut there (its figure is still printed), so one large ratio
-    # does not flatten every other bar.
-    clip = 3.0
-    shown = [min(v, clip) for v in values]
-    ax.barh(range(len(rows)), shown, color=colors)
-    for i, (v, r) in enumerate(zip(shown, rows)):
-        ax.text(v, i, f"  {r['value']:.3g}" + (" (bar cut)" if values[i] > clip else ""), va="center", fontsize=7)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels(labels, fontsize=7)
-    ax.invert_yaxis()
-    ax.axvline(1.0, color="black", linewidth=1)
-    ax.set_xlim(0, max([1.0, *shown]) * 1.25)
-    ax.set_xlabel(f"share of target (≥ 1: met; grey: no target, the ratio itself; bars cut at {clip:g}); "
-                  "the figure is printed at each bar")
-    ax.set_title("fuelline benchmarks: headline ratios against targets" + (" (QUICK RUN: not a measurement)" if quick else ""),
-                 fontsize=10)
-    return [md, _save(fig, results_dir / "summary.png")]
+    return [md, _save(summary_figure(rows, quick), results_dir / "summary.png")]

@@ -12,17 +12,51 @@ import time
 from typing import Any, Mapping
 
 from fuelline.client.agreement import SKIPPED
+from fuelline.protocol import DataError, OptionError
 from fuelline.protocol.common.argtypes import positive_int, seconds
+from fuelline.protocol.common.endpoints import parse_host_port
 
-__all__ = ["register", "run", "left_out"]
+__all__ = ["register", "run", "left_out", "servers"]
 
 # How a server words a unit it could not read mid-epoch (fuelline.server.sources.blocks).
 ROWS_LEFT_OUT = re.compile(r"its (\d+) rows are left out")
 
 
+ENDPOINT = "HOST:PORT[,HOST:PORT...]"
+
+
+def servers(text: str) -> list[str]:
+    """The data servers the command line names, each HOST:PORT.
+
+    Raises:
+        DataError: one line that names the argument and what to write instead (a port alone, a
+            host alone, nothing, or a server named twice).
+    """
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise DataError(f"argument {ENDPOINT}: {text!r} names no data server; give HOST:PORT, e.g. localhost:5557")
+    for name in names:
+        try:
+            parse_host_port(name)
+        except OptionError as exc:
+            host, _, port = name.rpartition(":")
+            if name.isdigit():
+                fix = f"{name} is a port alone; give the server's host too, e.g. localhost:{name}"
+            elif ":" not in name:
+                fix = f"{name!r} has no port; give HOST:PORT, e.g. {name}:5557"
+            elif not host.strip("[]") and port.isdigit():
+                fix = f"{name!r} has no host; give HOST:PORT, e.g. localhost{name}"
+            else:
+                fix = f"{exc.rule} (e.g. localhost:5557)"
+            raise DataError(f"argument {ENDPOINT}: {fix}") from None
+    if len(set(names)) != len(names):
+        raise DataError(f"argument {ENDPOINT}: {text!r} names a server twice; give each data server once")
+    return names
+
+
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     stream = sub.add_parser("stream", help="read epochs from a server and report throughput")
-    stream.add_argument("endpoint", metavar="HOST:PORT[,HOST:PORT...]",
+    stream.add_argument("endpoint", metavar=ENDPOINT,
                         help="a data server, or several serving the same dataset with the same options")
     stream.add_argument("--epochs", type=positive_int, default=1, help="epochs to read")
     stream.add_argument("--split", default="train", help="which split to read")
@@ -122,10 +156,18 @@ def _read(args: argparse.Namespace, ctrl_c: _CtrlC) -> int:
 
     from fuelline.client import ServerDataStream
 
-    with ServerDataStream(
-        endpoints=args.endpoint, connections=args.connections, split=args.split, rank=args.rank,
-        world_size=args.world_size, hwm=args.hwm, timeout=args.timeout, connect_timeout=args.connect_timeout, curve_keys=args.curve_keys,
-    ) as stream:
+    endpoints = servers(args.endpoint)  # (checked before anything connects)
+    try:
+        stream = ServerDataStream(
+            endpoints=endpoints, connections=args.connections, split=args.split, rank=args.rank,
+            world_size=args.world_size, hwm=args.hwm, timeout=args.timeout, connect_timeout=args.connect_timeout,
+            curve_keys=args.curve_keys,
+        )
+    except DataError:
+        raise
+    except ValueError as exc:  # (an option out of range: --rank beyond --world-size...)
+        raise DataError(str(exc)) from None
+    with stream:
         info = stream.info  # (every server's Welcome: what they left out at start-up is known before reading)
         for epoch in range(args.epochs):
             number = stream.state_dict()["epoch"]  # the server's number of the epoch read now

@@ -55,11 +55,14 @@ class CurveKeys:
     """A client's CURVE key pair and the public key of the server it trusts (Z85 text, 40 bytes).
 
     Build one with ``CurveKeys.from_dir(DIR)``, or from keys held elsewhere (a secret store).
+    ``source`` is the key file the pair was read from (None where it came from elsewhere): what a
+    refusal names.
     """
 
     public_key: bytes
     secret_key: bytes = field(repr=False)
     server_key: bytes
+    source: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("public_key", "secret_key", "server_key"):
@@ -85,7 +88,7 @@ class CurveKeys:
                        "server a new key pair (`fuelline keygen`): this one is exposed")
         server_key = load_public_key_file(shared, instead=instead)
         assert secret is not None  # load_key_file(secret=True) raised otherwise
-        return cls(public, secret, server_key)
+        return cls(public, secret, server_key, source=os.path.join(directory, f"{name}.key_secret"))
 
     def apply(self, sock: zmq.Socket) -> None:
         """Make ``sock`` a CURVE client; call before ``connect``."""
@@ -281,11 +284,7 @@ class HandshakeWatch:
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH and value == 400:
             # ZAP status 400: a definite no (300 would be a temporary failure, worth retrying).
             if self.curve is not None:
-                key = self.curve.public_key.decode("ascii")
-                message = (
-                    f"the server refused this client's CURVE key {key}: put this client's public "
-                    "certificate (client.key) in the server's authorized/ directory and restart the server"
-                )
+                message = _refused(self.curve)
             else:
                 message = "the server's authenticator refused this client (ZAP status 400)"
             return RemoteError(CURVE_REFUSED, message, peer=self.endpoint)
@@ -327,6 +326,19 @@ class HandshakeWatch:
                 "server.key, or this client's CURVE key may not be authorized there"
             )
         return f"{what}; or the server may require CURVE authentication (connect with curve_keys=DIR)"
+
+
+def _refused(curve: CurveKeys) -> str:
+    """What a client refused by a server's authenticator is told: the key file its key came from,
+    the public certificate to give the server, and the key itself (what the server's log shows)."""
+    key = curve.public_key.decode("ascii")
+    if curve.source is None:
+        return (f"the server refused this client's CURVE key (given as CurveKeys, not read from a key file; public "
+                f"key {key}): put that public key in a .key certificate in the server's authorized/ directory and "
+                "restart the server")
+    public = curve.source.removesuffix("_secret")
+    return (f"the server refused this client's CURVE key from {curve.source}: copy its public certificate {public} "
+            f"into the server's authorized/ directory and restart the server (public key {key})")
 
 
 def _host_port(endpoint: str) -> str:

@@ -83,9 +83,11 @@ class ServerDataset(IterableDataset):
     A ``context`` given is not carried into other processes.
 
     Args:
-        sources, *args, **kwargs: as ``ServerDataStream``, ``device`` and ``pin_memory`` included
-            (with ``num_workers=0`` only: see the module's docstring).
+        sources: the sources to read, as ``ServerDataStream``'s (None: every source).
+        *args: ``ServerDataStream``'s other arguments, in its order.
         as_dict: yield dicts by source name instead of tuples in ``sources`` order.
+        **kwargs: ``ServerDataStream``'s keyword arguments, ``device`` and ``pin_memory``
+            included (with ``num_workers=0`` only: see the module's docstring).
 
     Raises:
         ValueError, TypeError: arguments ``ServerDataStream`` refuses; ``device`` or

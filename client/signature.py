@@ -14,6 +14,7 @@ __all__ = ["FUEL_ORDER", "FUELLINE_ORDER", "positional_arguments", "stream_argum
 
 FUELLINE_ORDER = ("host", "port", "hwm")
 FUEL_ORDER = ("produces_examples", "host", "port", "hwm", "axis_labels")
+# The same defaults as ServerDataStream's signature (where the API reference reads them).
 DEFAULTS: dict[str, Any] = {"host": "localhost", "port": 5557, "hwm": 10, "produces_examples": False,
                             "axis_labels": None}
 
@@ -23,8 +24,10 @@ def positional_arguments(args: Sequence[Any], keywords: dict[str, Any]) -> dict[
 
     Args:
         args: the positional arguments after ``sources``.
-        keywords: ``host``, ``port``, ``hwm``, ``produces_examples``, ``axis_labels`` as given by
-            keyword; None where not given.
+        keywords: ``host``, ``port``, ``hwm``, ``produces_examples``, ``axis_labels`` as the
+            signature received them: their defaults (or None) where not given by keyword. A
+            keyword at its default cannot be told from one not given, so only one that differs
+            from it conflicts with a positional argument.
 
     Returns:
         Every one of those five names with its value (its default where given neither way).
@@ -39,7 +42,8 @@ def positional_arguments(args: Sequence[Any], keywords: dict[str, Any]) -> dict[
                         f"({', '.join(order)}), got {len(args)}")
     values = dict(zip(order, args))
     for name, value in keywords.items():
-        if value is None:
+        default = DEFAULTS[name]
+        if value is None or (type(value) is type(default) and value == default):  # (5557.0 is given)
             continue
         if name in values:
             raise TypeError(f"ServerDataStream got multiple values for argument {name!r}")

@@ -58,12 +58,15 @@ class ServerDataStream:
 
     Args:
         sources: the sources wanted, in order; None for every source the server has.
-        host, port: the data server (default localhost:5557).
+        host: the data server's host name or address.
+        port: the data server's port.
         hwm: batches held at most (in flight plus received and not yet taken): the prefetch depth.
         produces_examples: Fuel's flag; only False (batches) can be honoured, True raises ValueError.
         axis_labels: Fuel's axis labels, kept as ``.axis_labels``.
-        rank, world_size: this reader's share of each epoch; default torchrun's RANK / WORLD_SIZE,
-            else 0 / 1.
+        rank: which share of each epoch this reader reads, of ``world_size``; None: torchrun's
+            ``RANK``, else 0.
+        world_size: how many shares each epoch is dealt into; None: torchrun's ``WORLD_SIZE``,
+            else 1.
         split: which split of the dataset to read ("train", "val"...).
         endpoints: ``["hostA:5557", "hostB:5557"]`` (or one comma-separated string), in place of
             host and port: read from several servers at once. Started with the same dataset and
@@ -87,9 +90,13 @@ class ServerDataStream:
         receive_timeout: if set, raise ``ReceiveTimeout`` when a live server delivers no batch for
             this many seconds (a stuck source); None waits as long as the server is alive.
         tensors: yield torch tensors (zero-copy) instead of numpy arrays.
-        device, pin_memory: yield torch tensors on this device (``"cuda"``, ``"cpu"``...), copied
-            through pinned host memory on a side CUDA stream while the caller trains on the batch
-            before: see ``fuelline.client.device``. ValueError where this host cannot do either.
+        device: yield torch tensors on this device (``"cuda"``, ``"cpu"``...), copied with
+            ``pin_memory`` through pinned host memory on a side CUDA stream while the caller
+            trains on the batch before: see ``fuelline.client.device``. ValueError where this
+            host has no such device.
+        pin_memory: place batches in pinned host memory on their way (without ``device``, or
+            with ``"cpu"``: pinned CPU tensors, for the caller's own non-blocking copy).
+            ValueError where torch cannot pin memory.
         verify: check every array against its checksum.
         client_id: a stable name for this client in the server's logs; random by default.
         curve_keys: for a server that uses CURVE (``fuelline serve --curve-keys``): a directory
@@ -118,10 +125,10 @@ class ServerDataStream:
         self,
         sources: Sequence[str] | None = None,
         *args: Any,
-        host: str | None = None,
-        port: int | None = None,
-        hwm: int | None = None,
-        produces_examples: bool | None = None,
+        host: str = "localhost",
+        port: int = 5557,
+        hwm: int = 10,
+        produces_examples: bool = False,
         axis_labels: Mapping[str, Any] | None = None,
         rank: int | None = None,
         world_size: int | None = None,

@@ -99,6 +99,6 @@ def on_files(files: Files, config: Any) -> Files:
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     if CLI_MARKER in markdown:
-        markdown = markdown.replace(CLI_MARKER, _cli_reference().render())
+        markdown = markdown.replace(CLI_MARKER, _cli_reference().render(site=True))
     markdown = INCLUDE_MARKER.sub(lambda m: included(m.group(1)), markdown)
     return README_MARKER.sub(lambda m: readme_section(m.group(1)), markdown)

@@ -39,13 +39,15 @@ def build(spec: ModelSpec) -> nn.Module:
     """The model for ``--model examples.own_model:build``."""
     shape = spec.schema.get(SOURCE, {}).get("shape")
     if shape is None or len(shape) != 1:
-        raise DataError(f"examples.own_model needs a source {SOURCE!r} of shape [dim]; the server serves {list(spec.schema)}")
+        raise DataError(f"examples.own_model needs a source {SOURCE!r} of shape [dim]; "
+                        f"the server serves {list(spec.schema)}")
     return MLP(shape[0], spec.width, spec.classes)
 
 
 if __name__ == "__main__":
     spec = ModelSpec(sources=("sample_id", "features", "label"),
-                     schema={"sample_id": {"dtype": "int64", "shape": []}, "features": {"dtype": "float32", "shape": [16]},
+                     schema={"sample_id": {"dtype": "int64", "shape": []},
+                             "features": {"dtype": "float32", "shape": [16]},
                              "label": {"dtype": "int64", "shape": []}},
                      classes=6, class_names=None, label_source="label", width=32, seed=0, info={})
     model = build(spec)

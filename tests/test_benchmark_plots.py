@@ -10,6 +10,10 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+import matplotlib.pyplot as plt  # noqa: E402
+
 from benchmarks import plots  # noqa: E402
 from benchmarks.common import Round  # noqa: E402
 from benchmarks.report import Metric, build_report, environment, server_cpu_ms_per_window  # noqa: E402
@@ -42,3 +46,53 @@ def test_the_summary_is_written_beside_results_that_are_not_records(tmp_path: Pa
     paths = plots.summary(tmp_path)
     assert (tmp_path / "summary.md").read_text().startswith("## Benchmark summary")
     assert all(p.is_file() for p in paths)
+
+
+def _headlines() -> list[dict]:
+    """The recorded results' headlines, and rows of every kind they may lack: far above and below
+    1, lower is better, no target."""
+    def row(what: str, value: float, target: float | None, higher: bool = True) -> dict:
+        meets = None if target is None else (value >= target if higher else value <= target)
+        return {"benchmark": "probe", "what": what, "value": value, "target": target, "higher_is_better": higher,
+                "meets": meets, "date": None}
+
+    extra = [row("a ratio far above its target and the rest", 412.0, 20.0), row("a small share", 0.0041, 0.033, False),
+             row("no target, " + "a long name that must wrap " * 3, 1.7, None), row("a miss", 0.5, 0.9)]
+    return plots.headlines(RESULTS) + extra
+
+
+def test_summary_bars_are_as_long_as_the_figures_printed_at_them() -> None:
+    rows = _headlines()
+    bars = plots.summary_bars(rows)
+    assert [b["width"] for b in bars] == [r["value"] for r in rows]
+    fig = plots.summary_figure(rows)
+    try:
+        (ax,) = fig.axes
+        drawn = list(ax.containers[0])
+        printed = [t.get_text() for t in ax.texts]
+        assert len(drawn) == len(printed) == len(rows)
+        for rect, text, r in zip(drawn, printed, rows):
+            assert rect.get_x() == 0.0 and rect.get_width() == r["value"], r["what"]
+            assert float(text.split()[0]) == pytest.approx(rect.get_width(), rel=5e-3), (text, r["what"])
+        (marks,) = [line for line in ax.lines if line.get_label() == "target"]
+        assert list(zip(marks.get_xdata(), marks.get_ydata())) == [
+            (r["target"], i) for i, r in enumerate(rows) if r["target"] is not None]
+    finally:
+        plt.close(fig)
+
+
+def test_every_label_of_the_summary_lies_inside_its_image() -> None:
+    fig = plots.summary_figure(_headlines())
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        (ax,) = fig.axes
+        assert len(ax.get_yticklabels()) == len(_headlines())
+        for label in [*ax.get_yticklabels(), ax.xaxis.label, ax.title, *ax.texts]:
+            box = label.get_window_extent(renderer)
+            assert 0 <= box.x0 and box.x1 <= fig.bbox.width, label.get_text()
+            assert 0 <= box.y0 and box.y1 <= fig.bbox.height, label.get_text()
+        drawn = ax.get_tightbbox(renderer)  # (also the tick labels the axis shows, and the legend)
+        assert 0 <= drawn.x0 and drawn.x1 <= fig.bbox.width and 0 <= drawn.y0 and drawn.y1 <= fig.bbox.height
+    finally:
+        plt.close(fig)

@@ -37,6 +37,23 @@ def test_version_prints_the_installed_version() -> None:
     assert out.stdout.strip() == f"fuelline {importlib.metadata.version('fuelline')}"
 
 
+@pytest.mark.parametrize(("endpoint", "fix"), [
+    ("6111", "give the server's host too, e.g. localhost:6111"),
+    ("datahost", "'datahost' has no port; give HOST:PORT, e.g. datahost:5557"),
+    (":6111", "':6111' has no host; give HOST:PORT, e.g. localhost:6111"),
+    ("a:5557,a:5557", "names a server twice"),
+])
+def test_stream_without_a_host_or_port_fails_in_one_line_naming_the_argument_and_the_fix(
+        endpoint: str, fix: str) -> None:
+    out = subprocess.run([*CLI, "stream", endpoint, "--connect-timeout", "1", "--timeout", "1"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == ""
+    (line,) = out.stderr.splitlines()  # one line: no traceback, no log
+    assert line.startswith("fuelline stream: error: argument HOST:PORT[,HOST:PORT...]: "), line
+    assert fix in line, line
+
+
 def _parsers() -> dict[str, argparse.ArgumentParser]:
     main = build_parser()
     sub = next(a for a in main._actions if isinstance(a, argparse._SubParsersAction))

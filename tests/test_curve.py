@@ -93,9 +93,43 @@ def test_client_with_an_unauthorized_key_is_refused(sample_dataset: Path, start_
             read_epoch(stream)
     assert time.monotonic() - started < 5.0
     assert info.value.code == CURVE_REFUSED
+    # The client names its key file and the public certificate the server needs; the key comes last.
     stranger = zmq.auth.load_certificate(keys["stranger"] / "client.key")[0].decode()
-    assert f"refused this client's CURVE key {stranger}" in str(info.value)
-    server.wait_log(r"refused a client: its CURVE key .* is not in .*authorized", timeout=5.0)
+    message = str(info.value)
+    assert f"refused this client's CURVE key from {keys['stranger'] / 'client.key_secret'}: " in message, message
+    assert f"copy its public certificate {keys['stranger'] / 'client.key'} into the server's authorized/" in message
+    assert message.index(str(keys["stranger"])) < message.index(stranger)
+    # The server names the key file it holds (the key is in none), then the key.
+    authorized = keys["server"] / "authorized"
+    log = server.wait_log(r"refused a client: ", timeout=5.0)
+    (line,) = [x for x in log.splitlines() if "refused a client: " in x]
+    assert f"its CURVE key is not the one in {authorized / 'alice.key'}; " in line, line
+    assert line.index("alice.key") < line.index(stranger), line
+
+
+def test_a_refusal_names_the_key_file_added_after_the_server_started(sample_dataset: Path, start_serve, keys) -> None:
+    server = start_serve(sample_dataset, "--curve-keys", str(keys["server"]))
+    added = keys["server"] / "authorized" / "bob.key"
+    shutil.copy(keys["stranger"] / "client.key", added)  # (read at start-up only)
+    with ServerDataStream(endpoints=[server.endpoint], curve_keys=keys["stranger"], timeout=5.0) as stream:
+        with pytest.raises(RemoteError) as info:
+            read_epoch(stream)
+    assert info.value.code == CURVE_REFUSED
+    log = server.wait_log(r"refused a client: ", timeout=5.0)
+    (line,) = [x for x in log.splitlines() if "refused a client: " in x]
+    assert f"its CURVE key is in {added}, added after this server read" in line, line
+    assert "restart the server to accept that client" in line, line
+
+
+def test_a_client_refused_with_keys_not_read_from_a_file_is_told_so(sample_dataset: Path, start_serve, keys) -> None:
+    server = start_serve(sample_dataset, "--curve-keys", str(keys["server"]))
+    read = CurveKeys.from_dir(keys["stranger"])
+    held = CurveKeys(read.public_key, read.secret_key, read.server_key)  # (from a secret store, say)
+    with ServerDataStream(endpoints=[server.endpoint], curve_keys=held, timeout=5.0) as stream:
+        with pytest.raises(RemoteError) as info:
+            read_epoch(stream)
+    assert info.value.code == CURVE_REFUSED
+    assert "not read from a key file" in str(info.value) and read.public_key.decode() in str(info.value)
 
 
 def test_client_with_the_wrong_server_key_gives_up_naming_curve(sample_dataset: Path, start_serve, keys) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import html
+import importlib
 import importlib.util
+import inspect
 import os
 import re
 import subprocess
@@ -15,6 +17,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_TIMEOUT_S = 60
+# The widest code line a page shows without a scrollbar (the theme's content column).
+CODE_COLUMNS = 88
+HEADING = re.compile(r'<h\d id="(fuelline\.[\w.]+)" class="doc doc-heading"')
+ROW = re.compile(r'<tr class="doc-section-item">(.*?)</tr>', re.S)
+CELL = re.compile(r"<td>(.*?)</td>", re.S)
+PRE = re.compile(r"<pre[^>]*>(.*?)</pre>", re.S)
 
 
 def _hooks():
@@ -36,6 +44,38 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _text(page: Path) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", page.read_text()))
+
+
+def _plain(fragment: str) -> str:
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", "", fragment)).split())
+
+
+def _documented(path: str) -> object:
+    """The object at a dotted path the API page names (a module, or something in one)."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
+
+
+def _parameter_rows(page: str) -> list[tuple[str, list[str]]]:
+    """(the documented object's path, [name, type, description, default]) per row of every
+    parameters table (the only tables of four columns) on an API page."""
+    marks = list(HEADING.finditer(page))
+    rows = []
+    for mark, after in zip(marks, [*marks[1:], None]):
+        section = page[mark.end():after.start() if after else len(page)]
+        for row in ROW.findall(section):
+            cells = [_plain(cell) for cell in CELL.findall(row)]
+            if len(cells) == 4:
+                rows.append((mark.group(1), cells))
+    return rows
 
 
 def test_the_site_builds_strict_with_every_page_of_the_nav(site: Path) -> None:
@@ -117,3 +157,35 @@ def test_the_install_says_how_to_get_torch_s_cpu_build(site: Path) -> None:
     line = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
     assert line in (ROOT / "README.md").read_text()
     assert line in _text(site / "index.html")
+
+
+def test_no_parameter_with_a_default_reads_required_on_the_api_page(site: Path) -> None:
+    rows = _parameter_rows((site / "api" / "index.html").read_text())
+    assert len(rows) > 40, "no parameter tables found: has the page's markup changed?"
+    for path, (names, _, _, default) in rows:
+        if default != "required":
+            continue
+        parameters = inspect.signature(_documented(path)).parameters
+        for name in names.split(", "):
+            parameter = parameters.get(name.lstrip("*"))
+            assert parameter is not None, f"{path}: {names!r} reads required and is not one parameter"
+            assert parameter.default is inspect.Parameter.empty, f"{path}: {name} has a default and reads required"
+            assert parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD), path
+    shown = {names: default for path, (names, _, _, default) in rows
+             if path == "fuelline.client.stream.ServerDataStream"}
+    assert (shown["host"], shown["port"], shown["hwm"]) == ("'localhost'", "5557", "10")
+    assert shown["rank"] == shown["world_size"] == "None"  # (then torchrun's RANK / WORLD_SIZE)
+
+
+def test_no_page_shows_an_escaped_pipe_and_the_cli_page_shows_choices(site: Path) -> None:
+    escaped = [str(page.relative_to(site)) for page in site.rglob("*.html") if "\\|" in page.read_text()]
+    assert not escaped, f"a literal \\| on {escaped}"
+    assert "--normalize zscore|none" in _text(site / "cli" / "index.html")
+
+
+@pytest.mark.parametrize("page", ["index.html", "training-loop/index.html"])
+def test_code_lines_of_the_start_and_training_loop_pages_fit_without_a_scrollbar(site: Path, page: str) -> None:
+    blocks = [html.unescape(re.sub(r"<[^>]+>", "", block)) for block in PRE.findall((site / page).read_text())]
+    assert blocks, page
+    long = [line for block in blocks for line in block.splitlines() if len(line) > CODE_COLUMNS]
+    assert not long, f"{page}: code lines over {CODE_COLUMNS} characters: {long}"

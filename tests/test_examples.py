@@ -47,3 +47,12 @@ def test_ddp_own_model_trains_checkpoints_and_resumes_where_it_stopped(
     out = torchrun_example("ddp_own_model.py", *common, "--epochs", "4", "--resume")
     assert f"resumed at epoch 2, after {per_rank} of its {per_rank} batches" in out, out
     assert [(int(e), int(n)) for e, n, _ in EPOCH.findall(out)] == [(3, per_rank)], out
+
+
+def test_every_example_line_fits_the_project_line_length() -> None:
+    # ruff selects no line-length rule (E501), so it would not say so itself.
+    ruff = (EXAMPLES.parent / "ruff.toml").read_text()
+    limit = int(re.search(r"^line-length\s*=\s*(\d+)", ruff, re.M).group(1))
+    long = [f"{path.name}:{number}" for path in sorted(EXAMPLES.glob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), start=1) if len(line) > limit]
+    assert not long, f"lines over {limit} characters: {long}"

@@ -57,10 +57,13 @@ def test_two_ranks_train_evaluate_and_report_each_epoch(dataset: Path, start_ser
         for key in ("data_wait_ms", "step_ms", "batch_ms"):
             assert r[key]["p50"] <= r[key]["p90"] <= r[key]["p99"] <= r[key]["max"], key
         assert r["gpu_util"] is None and r["gpu_mem_max_mb"] is None  # CPU
-    # stderr is not a terminal: progress is plain log lines (no bar), up to the epoch's last batch
-    for epoch in (0, 1):
-        progress = re.findall(rf"epoch {epoch}: step (\d+)/(\d+), loss \S+, data wait [\d.]+%", result.stderr)
+    # stderr is not a terminal: progress is plain log lines (no bar), up to the epoch's last batch;
+    # they count epochs from 1, as the summary lines do
+    for epoch in (1, 2):
+        progress = re.findall(rf"epoch {epoch}/2: step (\d+)/(\d+), loss \S+, data wait [\d.]+%", result.stderr)
         assert progress and progress[-1][0] == progress[-1][1], result.stderr[-2000:]
+        assert re.search(rf"^epoch {epoch}/2  loss ", result.stdout, re.M), result.stdout
+    assert not re.search(r"epoch 0\b", result.stdout + result.stderr), "an epoch counted from 0"
     assert "\r" not in result.stderr
 
 

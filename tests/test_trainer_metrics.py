@@ -149,8 +149,14 @@ def test_progress_logs_every_tenth_of_the_epoch(caplog: pytest.LogCaptureFixture
     p.close()
     records = progress_records(caplog)
     assert [r.step for r in records] == list(range(5, 51, 5))
-    assert records[-1].getMessage() == "epoch 3: step 50/50, loss 0.0200, data wait 25.0%"
+    # The text counts epochs from 1 (the stream's epoch 3 is the 4th), as the epoch summary line does.
+    assert records[-1].getMessage() == "epoch 4: step 50/50, loss 0.0200, data wait 25.0%"
     assert records[-1].steps == 50 and records[-1].data_wait_share == 0.25
+    assert records[-1].epoch == 3  # (a JSON log's field: the stream's number, as in --metrics-json)
+    caplog.clear()
+    of = EpochProgress(0, 10, epochs=10, clock=clock)
+    of.update(10, 0.5, 0.1)
+    assert progress_records(caplog)[-1].getMessage() == "epoch 1/10: step 10/10, loss 0.5000, data wait 10.0%"
 
 
 def test_progress_records_come_at_even_steps_whatever_the_epoch_length_or_step_time(
@@ -189,7 +195,7 @@ def test_progress_logs_every_interval_when_the_epoch_is_of_unknown_length(caplog
         clock.now += 1.0
         p.update(step, 0.5, None)
     assert [r.step for r in progress_records(caplog)] == [30, 60, 90]
-    assert progress_records(caplog)[0].getMessage() == "epoch 0: step 30, loss 0.5000, data wait n/a"
+    assert progress_records(caplog)[0].getMessage() == "epoch 1: step 30, loss 0.5000, data wait n/a"
 
 
 def test_progress_is_a_bar_or_log_lines_never_both(caplog: pytest.LogCaptureFixture, monkeypatch) -> None:
@@ -257,7 +263,7 @@ def test_json_logs_and_timing_figures_of_a_two_rank_run(dataset: Path, start_ser
     assert not [x for x in stderr if TEXT_LOG_LINE.match(x)]  # no text-format log line from the ranks
     logs = [json.loads(x) for x in stderr if x.startswith("{")]
     assert all({"level", "message", "logger", "time"} <= set(r) for r in logs)
-    progress = [r for r in logs if r["message"].startswith("epoch 0: step ")]
+    progress = [r for r in logs if r["message"].startswith("epoch 1/1: step ")]  # (from 1, as the summary line)
     assert progress, "no progress records in the JSON logs"
     assert all(r["logger"] == "fuelline.trainer" and r["level"] == "INFO" for r in progress)
     assert [r["step"] for r in progress] == sorted(r["step"] for r in progress)

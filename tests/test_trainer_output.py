@@ -4,8 +4,11 @@ wire compressed."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,3 +102,12 @@ def test_json_stdout_prints_the_records_and_the_summary_on_stderr(dataset: Path,
     assert printed == lines(metrics) and len(printed) == 1
     assert printed[0]["compression"] == "none" and printed[0]["compressed"] is None
     assert len([x for x in result.stderr.splitlines() if SUMMARY.match(x)]) == 1
+
+
+def test_the_trainer_prints_its_version_as_the_fuelline_command_does() -> None:
+    trainer = subprocess.run([sys.executable, "-m", "fuelline.trainer", "--version"], capture_output=True, text=True,
+                             timeout=120)
+    command = subprocess.run([sys.executable, "-m", "fuelline.server.cli", "--version"], capture_output=True, text=True,
+                             timeout=60)
+    assert trainer.returncode == 0 and command.returncode == 0, trainer.stderr + command.stderr
+    assert trainer.stdout == command.stdout == f"fuelline {importlib.metadata.version('fuelline')}\n"

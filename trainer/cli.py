@@ -9,6 +9,7 @@ import sys
 from typing import NoReturn, Sequence
 
 from fuelline.protocol.common.endpoints import parse_host_port
+from fuelline.protocol.common.version import version_line
 
 __all__ = ["ONEBIT_SGD_MAX_WORLD", "WARMUP_SHARE", "build_parser", "parse_args", "refusal", "warmup_steps"]
 
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="torchrun --nproc_per_node N -m fuelline.trainer",
                                 description="Train a classifier on batches from data servers: the built-in multimodal "
                                             "emotion model, or one of your own (--model).")
+    p.add_argument("--version", action="version", version=version_line(), help="print the installed version and exit")
     p.add_argument("--servers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                    help="the data servers; with several, each serves a disjoint part of every rank's share "
                         "(start them with the same dataset and options)")
@@ -88,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="PACKAGE.MODULE:FUNCTION",
                    help="train the nn.Module this function returns for a ModelSpec (fuelline.trainer.model_spec; "
                         "see examples/own_model.py) instead of the built-in multimodal emotion model")
-    p.add_argument("--label-source", default="label", help="the source holding each example's class index")
+    p.add_argument("--label-source", default=None,
+                   help="the source holding each example's class index (default: the label column the dataset "
+                        "names, as `fuelline import --label` records it, else label)")
     p.add_argument("--classes", type=int, default=None, metavar="N",
                    help="number of classes, where the server names none (else counted from the train labels)")
     p.add_argument("--warmup-iters", type=_steps_or_auto, default="auto", metavar="STEPS|auto",

@@ -32,14 +32,20 @@ class EpochProgress:
     done so far (counting any done before a resume), ``total`` the epoch's batches (None if the
     server cannot tell), ``share`` the data-wait share so far.
 
+    ``epoch`` is the stream's number of the epoch, from 0, as the metrics records and checkpoints
+    have it (and a JSON log record's ``epoch`` field); the text for people counts from 1, of
+    ``epochs`` where given, as the trainer's epoch summary line does (``epoch 1/10: step 5/50``).
+
     Without a bar, a record comes at every multiple of ``ceil(fraction * total)`` steps and at the
     last step; with no ``total``, at every multiple of ``interval_s`` seconds since the start."""
 
-    def __init__(self, epoch: int, total: int | None, *, initial: int = 0, enabled: bool = True, bar: bool = False,
-                 interval_s: float = 30.0, fraction: float = 0.1, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, epoch: int, total: int | None, *, epochs: int | None = None, initial: int = 0,
+                 enabled: bool = True, bar: bool = False, interval_s: float = 30.0, fraction: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not 0 < fraction <= 1 or interval_s <= 0:
             raise ValueError(f"fraction must be in (0, 1] and interval_s > 0, got {fraction} and {interval_s}")
         self.epoch, self.total, self.enabled = epoch, total, enabled
+        self.name = f"epoch {epoch + 1}" + (f"/{epochs}" if epochs else "")
         self.interval_s, self.clock = interval_s, clock
         self.stride = max(1, math.ceil(total * fraction)) if total else None
         self._bar = None
@@ -48,7 +54,7 @@ class EpochProgress:
         if enabled and bar:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, desc=f"epoch {epoch}", unit="batch", leave=True,
+            self._bar = tqdm(total=total, initial=initial, desc=self.name, unit="batch", leave=True,
                              dynamic_ncols=True, file=sys.stderr)
 
     def _due(self, step: int) -> bool:
@@ -72,7 +78,7 @@ class EpochProgress:
             return
         of = f"/{self.total}" if self.total else ""
         wait = "n/a" if share is None else f"{100 * share:.1f}%"
-        log.info("epoch %d: step %d%s, loss %.4f, data wait %s", self.epoch, step, of, loss, wait,
+        log.info("%s: step %d%s, loss %.4f, data wait %s", self.name, step, of, loss, wait,
                  extra={"epoch": self.epoch, "step": step, "steps": self.total, "loss": loss, "data_wait_share": share})
 
     def close(self) -> None:

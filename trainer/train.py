@@ -80,6 +80,8 @@ class Trainer:
                 f"the data server at {args.servers} serves no 'val' split to evaluate on (it has {splits}): serve "
                 "a dataset with a val/ folder, or convert with a --val-fraction that leaves whole recordings for val"
             )
+        if args.label_source is None:
+            args.label_source = info.get("label") or "label"
         self.model, self.spec, self.heads, counts = build_model(
             args, self.train.sources, self.train.schema, info, lambda: scan_classes(common, args.label_source, device), device)
         self.classes: list[str] = list(self.spec.class_names or map(str, range(self.spec.classes)))
@@ -103,8 +105,9 @@ class Trainer:
         self.gpu = GpuSampler.for_device(device)
         self.progress_bar = use_bar(args.log_format)
         if rank == 0:
-            log.info("classes %s, train windows per class %s, class weights %s", self.classes, counts,
-                     None if self.weights is None else [round(w, 2) for w in self.weights.tolist()])
+            per_class = "not given by the server" if counts is None else counts
+            log.info("classes %s, train examples per class %s, class weights %s", self.classes, per_class,
+                     "off" if self.weights is None else [round(w, 2) for w in self.weights.tolist()])
 
     def _size_warmup(self) -> None:
         """Resolve ``auto`` warm-ups from the run's length, and say once when 1-bit starts (or
@@ -171,8 +174,9 @@ class Trainer:
             _truncate_jsonl(self.args.metrics_json, lambda r: r["epoch"] < epoch)
         if self.args.sample_log:
             _truncate_jsonl(f"{self.args.sample_log}.rank{self.rank}", lambda r: r["step"] <= self.step)
-        log.log(logging.INFO if self.rank == 0 else logging.DEBUG, "rank %d resumed at step %d, epoch %d batch %d",
-                self.rank, self.step, epoch, state["stream"]["cursor"])
+        log.log(logging.INFO if self.rank == 0 else logging.DEBUG,
+                "rank %d resumed at step %d, epoch %d/%d batch %d",
+                self.rank, self.step, epoch + 1, self.args.epochs, state["stream"]["cursor"])
 
     def checkpoint(self) -> None:
         if self.ckpt is not None:
@@ -224,7 +228,8 @@ class Trainer:
         self.gpu.reset(every=max(1, (total or 100) // 10))  # about ten samples an epoch
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        progress = EpochProgress(position["epoch"], total, initial=done, enabled=self.rank == 0, bar=self.progress_bar)
+        progress = EpochProgress(position["epoch"], total, epochs=self.args.epochs, initial=done, enabled=self.rank == 0,
+                                 bar=self.progress_bar)
         started = time.perf_counter()
         steps_here = 0
         try:

@@ -2,16 +2,33 @@
 # The whole path on one machine, on built-in sample data: synthesise AMIGOS-like raw recordings,
 # convert them to Parquet, start a data server that aligns and windows them, stream epochs into a
 # client, print what arrived and how fast, stop the server.
+#
+# It works in a temporary folder (about 300 MB) and removes it when it ends, also on a failure or
+# Ctrl-C. To keep what it made, name a folder: FUELLINE_DEMO_DIR=DIR (kept, and reused next time),
+# or FUELLINE_DEMO_KEEP=1 (the temporary folder is kept, and named at the end).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 # shellcheck disable=SC1091
 source "$ROOT/deploy/local/setup-venv.sh"
-WORK="${FUELLINE_DEMO_DIR:-$(mktemp -d -t fuelline-demo.XXXXXX)}"
 SERVER_PID=""
+TEMPORARY=""
 cleanup() {
     if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then kill -TERM "$SERVER_PID"; wait "$SERVER_PID" || true; fi
+    if [ -n "$TEMPORARY" ]; then
+        if [ "${FUELLINE_DEMO_KEEP:-0}" = 1 ]; then echo "kept $TEMPORARY"; else rm -rf "$TEMPORARY"; fi
+    fi
 }
 trap cleanup EXIT
+# Without these, a signal would end the script without its EXIT trap.
+trap 'exit 130' INT
+trap 'exit 143' TERM
+if [ -n "${FUELLINE_DEMO_DIR:-}" ]; then
+    WORK="$FUELLINE_DEMO_DIR"
+    mkdir -p "$WORK"
+else
+    TEMPORARY="$(mktemp -d -t fuelline-demo.XXXXXX)"
+    WORK="$TEMPORARY"
+fi
 rm -rf "$WORK/raw" "$WORK/data"
 
 echo "== 1. synthesise 40 raw recordings of 60 s (EEG, ECG, GSR, face video; each device on its own clock)"

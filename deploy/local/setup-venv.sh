@@ -12,14 +12,19 @@ fi
 # shellcheck disable=SC1091
 source "$ROOT/.venv/bin/activate"
 pip_quiet() { python -m pip install --disable-pip-version-check -q "$@"; }
+TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
 KIND="${1:-server}"
 # Reinstall only when the packaging files change (or the install is of another kind).
 STAMP="$ROOT/.venv/.fuelline-$KIND"
 WANT="$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | python -c 'import hashlib,sys; print(hashlib.sha256(sys.stdin.buffer.read()).hexdigest())')"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     if [ "$KIND" = "dev" ]; then
-        # Pin the CPU build first, so the trainer extra's "torch" never pulls a multi-GB CUDA build.
-        python -c "import torch" 2>/dev/null || pip_quiet "torch==2.13.0"
+        # The CPU build first, from PyTorch's CPU index as the README's Install says, so the trainer
+        # extra's "torch" never pulls a multi-GB CUDA build. The index is added beside the ones pip is
+        # configured with (--extra-index-url, not --index-url): a host that installs from a local
+        # mirror or wheel folder and cannot reach download.pytorch.org still gets its torch there.
+        # Where both offer 2.13.0, pip takes the CPU index's 2.13.0+cpu (a local version sorts higher).
+        python -c "import torch" 2>/dev/null || pip_quiet "torch==2.13.0" --extra-index-url "$TORCH_CPU_INDEX"
         pip_quiet -e "$ROOT[dev,trainer]" 2> >(grep -v -e Warning -e '^ ' -e '^$' >&2)
     else
         pip_quiet -e "$ROOT" 2> >(grep -v -e Warning -e '^ ' -e '^$' >&2)

@@ -1,7 +1,8 @@
 """The ``fuelline`` command line.
 
 Subcommands, one module each: ``serve`` and ``sample`` (this package), ``stream`` (the client's,
-``fuelline.client.command``), ``synth`` and ``convert`` (``ingest``), ``inspect``, ``keygen`` and ``bench``.
+``fuelline.client.command``), ``synth`` and ``convert`` (``ingest``), ``import`` (``tables``), ``inspect``,
+``keygen`` and ``bench``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Sequence
 
 from fuelline.protocol import FuellineError
 from fuelline.protocol.common.logs import LOG_FORMATS, configure_logging
+from fuelline.protocol.common.version import version_line
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -42,19 +44,10 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown.replace('%', '%%')})"
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("fuelline")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fuelline", description="Stream training batches from data servers.",
                                      formatter_class=DefaultsHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"fuelline {_version()}",
+    parser.add_argument("--version", action="version", version=version_line(),
                         help="print the installed version and exit")
     parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS, help="least severe log records shown")
     parser.add_argument("--log-format", default="text", choices=LOG_FORMATS,
@@ -63,9 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     # One module per command: each adds its parser and sets the function that runs it.
     from fuelline.client import command as stream
-    from fuelline.server.cli import bench, ingest, inspect, keygen, sample, serve
+    from fuelline.server.cli import bench, ingest, inspect, keygen, sample, serve, tables
 
-    for command in (serve, sample, stream, ingest, inspect, keygen, bench):
+    for command in (serve, sample, stream, ingest, tables, inspect, keygen, bench):
         command.register(sub)
     # The logging options also after the subcommand (``fuelline serve DATA --log-format json``),
     # where unit files and manifests put every option.

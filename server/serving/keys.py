@@ -123,10 +123,12 @@ class _AuthorizedKeys:
     """The authenticator's credentials provider: a fixed set of keys, refusals logged.
 
     pyzmq's own ``configure_curve(location=...)`` logs a refusal only at DEBUG; an operator wants
-    to see the key that was refused, once (a refused client retries; a stranger may flood).
+    to see which client was refused, once (a refused client retries; a stranger may flood). A
+    refused key is in none of the files read at start-up; where a file holding it was added to
+    the folder since, the message names that file.
     """
 
-    MAX_REMEMBERED = 256
+    MAX_REMEMBERED = 256  # refused keys told at WARNING (and looked for in the folder), at most
 
     def __init__(self, keys: dict[bytes, str], location: str) -> None:
         self.keys = keys
@@ -139,11 +141,47 @@ class _AuthorizedKeys:
         first = key not in self._refused and len(self._refused) < self.MAX_REMEMBERED
         if first:
             self._refused.add(key)
-        log.log(
-            logging.WARNING if first else logging.DEBUG,
-            "refused a client: its CURVE key %s is not in %s", key.decode("ascii", "replace"), self.location,
-        )
+        log.log(logging.WARNING if first else logging.DEBUG, "%s", self.refusal(key, look=first))
         return False
+
+    def refusal(self, key: bytes, look: bool = True) -> str:
+        """What the log says of a refused ``key``: the file that holds it if one was added since
+        the server started (with ``look``), else the files it is in none of; the key last."""
+        text = key.decode("ascii", "replace")
+        added = _file_holding(key, self.location) if look else None
+        if added is not None:
+            return (f"refused a client: its CURVE key is in {added}, added after this server read "
+                    f"{self.location} at start-up; restart the server to accept that client (public key {text})")
+        files = sorted(self.keys.values())
+        if not files:
+            where = f"{self.location} holds no client key files"
+        elif len(files) == 1:
+            where = f"its CURVE key is not the one in {files[0]}"
+        else:
+            shown = ", ".join(os.path.basename(path) for path in files[:5])
+            more = f" and {len(files) - 5} more" if len(files) > 5 else ""
+            where = f"its CURVE key is in none of the {len(files)} key files of {self.location} ({shown}{more})"
+        return (f"refused a client: {where}; to accept it, copy the client's public NAME.key into {self.location} "
+                f"and restart the server (public key {text})")
+
+
+def _file_holding(key: bytes, location: str) -> str | None:
+    """The ``*.key`` file in ``location`` whose public key is ``key``, if there is one (read now:
+    a file that cannot be read is passed over)."""
+    try:
+        names = sorted(os.listdir(location))
+    except OSError:
+        return None
+    for name in names:
+        path = os.path.join(location, name)
+        if not name.endswith(".key") or name.startswith(".") or holds_secret_key(path):
+            continue
+        try:
+            if load_key_file(path)[0] == key:
+                return path
+        except DataError:
+            continue
+    return None
 
 
 def start_authenticator(context: zmq.Context, curve: CurveConfig) -> "zmq.auth.thread.ThreadAuthenticator":

@@ -76,7 +76,8 @@ class Server(Listener):
 
     Args:
         source: what to serve (``ParquetSource``, ``FuelStreamSource``...).
-        host, port: where to listen; port 0 picks a free port (see ``endpoint`` after ``bind``).
+        host: the address to listen on.
+        port: the port to listen on; 0 picks a free port (see ``endpoint`` after ``bind``).
         hwm: most batches in flight to one client (and most prepared ahead for it).
         heartbeat: seconds of silence after which the server sends a heartbeat.
         checksum: put an xxh3 checksum of every array in its header.
