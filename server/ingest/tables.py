@@ -177,6 +177,30 @@ def _read_path(path: str) -> dict[str, pa.Table] | pa.Table:
     return {d: _read_files(f, os.path.join(path, d)) for d, f in splits.items()}
 
 
+def _from_hf(data: Any) -> pa.Table:
+    """A ``datasets`` Dataset's Arrow table; a selected or shuffled view: its rows, in its order."""
+    table = data.data  # (a datasets table wrapper: the Arrow table is .table)
+    table = getattr(table, "table", table)
+    indices = getattr(data, "_indices", None)
+    if indices is not None:
+        table = table.take(getattr(indices, "table", indices).column(0))
+    return table
+
+
+def _from_mapping(data: Mapping[str, Any], where: str) -> dict[str, pa.Table] | pa.Table:
+    """A dict of arrays (one table), or of split name to any input (one table each)."""
+    values = list(data.values())
+    if all(isinstance(v, (np.ndarray, list, tuple)) for v in values):
+        return _from_arrays(data, where)
+    splits: dict[str, pa.Table] = {}
+    for name, value in data.items():
+        got = read_input(value, f"split {name!r}")
+        if isinstance(got, dict):
+            raise DataError(f"split {name!r}: holds splits of its own")
+        splits[str(name)] = got
+    return splits
+
+
 def read_input(data: Any, where: str = "input") -> dict[str, pa.Table] | pa.Table:
     """What ``write_dataset`` takes, as one Arrow table or a mapping of split name to table."""
     if isinstance(data, (str, os.PathLike)):
@@ -188,24 +212,9 @@ def read_input(data: Any, where: str = "input") -> dict[str, pa.Table] | pa.Tabl
     if _is_dataframe(data):
         return _from_dataframe(data)
     if _is_hf_dataset(data):
-        table = data.data  # (a datasets table wrapper: the Arrow table is .table)
-        table = getattr(table, "table", table)
-        indices = getattr(data, "_indices", None)  # a selected or shuffled view: its rows, in its order
-        if indices is not None:
-            table = table.take(getattr(indices, "table", indices).column(0))
-        return table
+        return _from_hf(data)
     if isinstance(data, Mapping) and data:
-        values = list(data.values())
-        if all(isinstance(v, (np.ndarray, list, tuple)) for v in values) and not any(
-                isinstance(v, Mapping) or _is_dataframe(v) or _is_hf_dataset(v) for v in values):
-            return _from_arrays(data, where)
-        splits: dict[str, pa.Table] = {}
-        for name, value in data.items():
-            got = read_input(value, f"split {name!r}")
-            if isinstance(got, dict):
-                raise DataError(f"split {name!r}: holds splits of its own")
-            splits[str(name)] = got
-        return splits
+        return _from_mapping(data, where)
     raise DataError(f"{where}: a {type(data).__name__} is not something to import: give a pandas DataFrame, a dict "
                     "of numpy arrays, a pyarrow Table, a datasets Dataset or DatasetDict, or a file or folder")
 
@@ -321,6 +330,74 @@ def _with_leaf(t: pa.DataType, leaf: pa.DataType) -> pa.DataType:
     return leaf
 
 
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _plain(column: pa.ChunkedArray) -> pa.ChunkedArray:
+    """An extension column as its storage, a dictionary column as its values."""
+    t = column.type
+    if isinstance(t, pa.ExtensionType):
+        column = pa.chunked_array([c.storage for c in column.chunks], t.storage_type)
+    if pa.types.is_dictionary(column.type):
+        column = column.cast(column.type.value_type)
+    return column
+
+
+def _text_label(column: pa.ChunkedArray, name: str, where: str,
+                classes: list[str] | None) -> tuple[pa.Array, list[str]]:
+    """A string label as int64 indices into ``classes`` (made sorted from it when None)."""
+    if column.null_count:
+        raise DataError(f"{where}: label column {name!r} has {column.null_count} empty values")
+    if classes is None:
+        classes = sorted(pc.unique(column).to_pylist())
+    codes = pc.index_in(column, value_set=pa.array(classes, column.type))
+    if codes.null_count:
+        missing = pc.filter(column, pc.is_null(codes)).to_pylist()[0]
+        raise DataError(f"{where}: label {missing!r} is not a class of the other splits ({', '.join(classes)})")
+    return codes.cast(pa.int64()), classes
+
+
+def _number_label(column: pa.ChunkedArray, name: str, where: str) -> pa.ChunkedArray:
+    """An integer label as int64; a float one only where every value is whole."""
+    t = column.type
+    if pa.types.is_integer(t):
+        return column.cast(pa.int64())
+    values = column.to_numpy(zero_copy_only=False) if pa.types.is_floating(t) else None
+    if values is None or not np.all(np.mod(values, 1) == 0):
+        raise DataError(f"{where}: label column {name!r} has type {t}: class labels are integers or strings")
+    return pa.chunked_array([pa.array(values.astype(np.int64))])
+
+
+def _numbers(column: pa.ChunkedArray, name: str, where: str) -> pa.ChunkedArray | pa.Array:
+    """A feature column as numbers of one shape per row: JSON-list text parsed, lists fixed."""
+    if _is_text(column.type):
+        parsed = _parse_json_lists(column)
+        if parsed is not None:
+            column = pa.chunked_array([parsed])
+    if pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(column.type):
+        return _fixed_shape(column, name, where)
+    if not _is_number(column.type):
+        raise DataError(f"{where}: column {name!r} has type {column.type}, which is not numbers: encode it as "
+                        f"numbers, or leave it out (drop=[{name!r}], or --drop {name})")
+    if column.null_count:
+        raise DataError(f"{where}: column {name!r} has {column.null_count} empty (null) values; fill them or drop "
+                        "those rows first")
+    return column
+
+
+def _narrowed(column: pa.ChunkedArray | pa.Array, float64: bool) -> pa.ChunkedArray | pa.Array:
+    """float16, and float64 unless kept, as float32 (the leaf of a list type too)."""
+    leaf = _leaf_type(column.type)
+    if pa.types.is_float16(leaf) or (pa.types.is_float64(leaf) and not float64):
+        return column.cast(_with_leaf(column.type, pa.float32()))
+    return column
+
+
 def _servable(table: pa.Table, where: str, label: str | None, drop: Sequence[str], float64: bool,
               classes: list[str] | None) -> tuple[pa.Table, list[str], list[str] | None]:
     """Every column as numbers of a fixed shape (or an error naming it); the label as int64.
@@ -328,53 +405,16 @@ def _servable(table: pa.Table, where: str, label: str | None, drop: Sequence[str
     dropped: list[str] = []
     columns: dict[str, pa.Array | pa.ChunkedArray] = {}
     for name in table.column_names:
-        column = table.column(name)
         if PANDAS_INDEX.fullmatch(name) or name in drop:
             dropped.append(name)
             continue
-        t = column.type
-        if isinstance(t, pa.ExtensionType):
-            column, t = pa.chunked_array([c.storage for c in column.chunks], t.storage_type), t.storage_type
-        if pa.types.is_dictionary(t):
-            column = column.cast(t.value_type)
-            t = t.value_type
-        if name == label and (pa.types.is_string(t) or pa.types.is_large_string(t)):
-            if column.null_count:
-                raise DataError(f"{where}: label column {name!r} has {column.null_count} empty values")
-            if classes is None:
-                classes = sorted(pc.unique(column).to_pylist())
-            codes = pc.index_in(column, value_set=pa.array(classes, t))
-            if codes.null_count:
-                missing = pc.filter(column, pc.is_null(codes)).to_pylist()[0]
-                raise DataError(f"{where}: label {missing!r} is not a class of the other splits ({', '.join(classes)})")
-            columns[name] = codes.cast(pa.int64())
-            continue
-        if pa.types.is_string(t) or pa.types.is_large_string(t):
-            parsed = _parse_json_lists(column)
-            if parsed is not None:
-                column, t = pa.chunked_array([parsed]), parsed.type
-        if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
-            column = _fixed_shape(column, name, where)
-            t = column.type
-        leaf = _leaf_type(t)
-        if not (pa.types.is_integer(leaf) or pa.types.is_floating(leaf) or pa.types.is_boolean(leaf)):
-            raise DataError(f"{where}: column {name!r} has type {t}, which is not numbers: encode it as numbers, "
-                            f"or leave it out (drop=[{name!r}], or --drop {name})")
-        if column.null_count:
-            raise DataError(f"{where}: column {name!r} has {column.null_count} empty (null) values; fill them or drop "
-                            "those rows first")
-        if name == label and not pa.types.is_integer(leaf):
-            values = column.to_numpy(zero_copy_only=False) if leaf == t else None
-            if values is None or not np.all(np.mod(values, 1) == 0):
-                raise DataError(f"{where}: label column {name!r} has type {t}: class labels are integers or strings")
-            column, leaf, t = pa.chunked_array([pa.array(values.astype(np.int64))]), pa.int64(), pa.int64()
-        if name == label and leaf != pa.int64():
-            column, t = column.cast(pa.int64()), pa.int64()
-        elif pa.types.is_float64(leaf) and not float64:
-            column = column.cast(_with_leaf(t, pa.float32()))
-        elif pa.types.is_float16(leaf):
-            column = column.cast(_with_leaf(t, pa.float32()))
-        columns[name] = column
+        column = _plain(table.column(name))
+        if name == label and _is_text(column.type):
+            columns[name], classes = _text_label(column, name, where, classes)
+        elif name == label:
+            columns[name] = _number_label(_numbers(column, name, where), name, where)
+        else:
+            columns[name] = _narrowed(_numbers(column, name, where), float64)
     if label is not None and label not in columns:
         raise OptionError("label", f"{where} has no column {label!r} (columns: {', '.join(table.column_names)})")
     return pa.table(columns), dropped, classes
@@ -477,40 +517,19 @@ def write_dataset(
     if os.path.lexists(out):
         raise FileExistsError(f"dataset {out} already exists; remove it or choose another path")
     got = read_input(data)
-    given = got if isinstance(got, dict) else {"train": got}
-    given = {SPLIT_NAMES.get(k, k): v for k, v in given.items()}
-    groups = _groups(group)
-    classes: list[str] | None = None
-    tables: dict[str, pa.Table] = {}
-    dropped: list[str] = []
-    offset = 0
-    made_id = False
-    for split, table in given.items():
-        where = f"split {split!r}" if len(given) > 1 or isinstance(got, dict) else "input"
-        for name, (pattern, shape) in groups.items():
-            table = _group(table, name, _matching(table.column_names, pattern), shape)
-        table, left_out, classes = _servable(table, where, label, drop, float64, classes)
-        dropped += [c for c in left_out if c not in dropped]
-        if sample_id not in table.column_names:
-            table = table.append_column(sample_id, pa.array(np.arange(offset, offset + table.num_rows, dtype=np.int64)))
-            made_id = True
-        offset += table.num_rows
-        tables[split] = table
-    _check_ids(tables, sample_id)
+    prepared = _prepare(got, _groups(group), label, drop, float64, sample_id)
+    tables = prepared.tables
     if not isinstance(got, dict) and val_fraction > 0:
-        whole = tables.pop("train")
-        labels = whole.column(label).to_numpy() if label is not None else None
-        val = _split_rows(labels, whole.num_rows, val_fraction, seed)
-        tables = {"train": whole.filter(pa.array(~val)), "val": whole.filter(pa.array(val))}
+        tables = _split_off_val(tables.pop("train"), label, val_fraction, seed)
     order = {"train": 0, "val": 1}
     tables = dict(sorted(tables.items(), key=lambda kv: (order.get(kv[0], 2), kv[0])))
     rng = np.random.default_rng(seed + 1)
     metadata: dict[str, Any] = {"format": 1}
     if label is not None:
         metadata["label"] = label
-        if classes is not None:
-            metadata["classes"] = classes
-    summary = TableSummary(out, classes=classes, dropped=dropped, made_sample_id=made_id)
+        if prepared.classes is not None:
+            metadata["classes"] = prepared.classes
+    summary = TableSummary(out, classes=prepared.classes, dropped=prepared.dropped, made_sample_id=prepared.made_id)
     with atomic_directory(out, "dataset") as temporary:
         for split, table in tables.items():
             if shuffle:
@@ -520,6 +539,44 @@ def write_dataset(
     first = next(iter(tables.values()))
     summary.sources = {f.name: _describe(f.type) for f in first.schema}
     return summary
+
+
+@dataclass
+class _Prepared:
+    """Every split's table as it will be written, and what making them found."""
+
+    tables: dict[str, pa.Table]
+    classes: list[str] | None
+    dropped: list[str]
+    made_id: bool
+
+
+def _prepare(got: dict[str, pa.Table] | pa.Table, groups: dict[str, tuple[str | Sequence[str], tuple[int, ...] | None]],
+             label: str | None, drop: Sequence[str], float64: bool, sample_id: str) -> _Prepared:
+    """Each split grouped, made servable and given sample ids (counting on across splits)."""
+    given = got if isinstance(got, dict) else {"train": got}
+    given = {SPLIT_NAMES.get(k, k): v for k, v in given.items()}
+    prepared = _Prepared({}, None, [], False)
+    offset = 0
+    for split, table in given.items():
+        where = f"split {split!r}" if isinstance(got, dict) else "input"
+        for name, (pattern, shape) in groups.items():
+            table = _group(table, name, _matching(table.column_names, pattern), shape)
+        table, left_out, prepared.classes = _servable(table, where, label, drop, float64, prepared.classes)
+        prepared.dropped += [c for c in left_out if c not in prepared.dropped]
+        if sample_id not in table.column_names:
+            table = table.append_column(sample_id, pa.array(np.arange(offset, offset + table.num_rows, dtype=np.int64)))
+            prepared.made_id = True
+        offset += table.num_rows
+        prepared.tables[split] = table
+    _check_ids(prepared.tables, sample_id)
+    return prepared
+
+
+def _split_off_val(whole: pa.Table, label: str | None, val_fraction: float, seed: int) -> dict[str, pa.Table]:
+    labels = whole.column(label).to_numpy() if label is not None else None
+    val = _split_rows(labels, whole.num_rows, val_fraction, seed)
+    return {"train": whole.filter(pa.array(~val)), "val": whole.filter(pa.array(val))}
 
 
 def _groups(group: Any) -> dict[str, tuple[str | Sequence[str], tuple[int, ...] | None]]:

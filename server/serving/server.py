@@ -339,63 +339,108 @@ class Server(Listener):
         return True
 
     def _hello(self, rid: bytes, hello: Hello, peer: str = LOCAL) -> None:
+        """Answer a Hello: refuse what is not served or has no room, else replace the session
+        this routing id (and its twins, the same client id) had, and welcome a new one."""
+        wanted = self._served_or_refused(rid, hello)
+        if wanted is None:
+            return
+        old = self.sessions.get(rid)
+        twins = [s for s in self.sessions.values() if s.hello.client_id == hello.client_id and s is not old]
+        if not self._admitted(rid, hello, peer, [*twins, old] if old else twins):
+            return
+        old = self.sessions.pop(rid, None)
+        # A Welcome the session this Hello replaces could not send yet (its peer's queue full)
+        # still goes, first: every Hello is answered. A peer that does not read cannot pile them up.
+        carried = old.unsent_welcomes() if old is not None else []
+        if old is not None and not self._stop_replaced(old, carried):
+            return
+        self._drop_twins(twins, peer)
+        session = self._new_session(rid, hello, wanted, peer)
+        # Before the Welcome: a session the server has no thread for is refused, not welcomed.
+        if not self._start(session):
+            return
+        # Queued ahead of its batches: it waits with them where the peer's queue is full (of the
+        # batches of a session this Hello replaced, say).
+        session.put_first(*carried, ("welcome", encode(self._welcome(session.name, hello, wanted, peer)), 0))
+        session.blocked_since = old.blocked_since if old is not None else None
+        self._flush(session)
+        if old is None and self.sessions.get(rid) is session:
+            log.info(
+                "client %s: rank %d of %d, split %r, from epoch %d batch %d",
+                session.name, hello.rank, hello.world_size, hello.split, hello.epoch, hello.cursor,
+            )
+
+    def _served_or_refused(self, rid: bytes, hello: Hello) -> tuple[str, ...] | None:
+        """The sources a Hello asks for, or None once it is told its split or a source is not served."""
         src = self.source
         if hello.split not in src.splits:
             self._reply(rid, ErrorCode.UNKNOWN_SPLIT, f"split {hello.split!r} is not served here; this server has splits {list(src.splits)}")
-            return
+            return None
         wanted = hello.sources if hello.sources is not None else src.sources
         for name in wanted:
             if name not in src.sources:
                 why = src.why_not_servable(name)
                 detail = why if why else f"this server has sources {list(src.sources)}"
                 self._reply(rid, ErrorCode.UNKNOWN_SOURCE, f"cannot serve source {name!r}: {detail}")
-                return
-        old = self.sessions.get(rid)
-        twins = [s for s in self.sessions.values() if s.hello.client_id == hello.client_id and s is not old]
+                return None
+        return tuple(wanted)
+
+    def _admitted(self, rid: bytes, hello: Hello, peer: str, replaced: list[Session]) -> bool:
+        """Admission: False once a Hello is refused busy; evicts the stalled session the
+        admission names to make room."""
         now = time.monotonic()
-        verdict = self.admission.admit(self.sessions.values(), peer, [*twins, old] if old else twins, now,
-                                       grants=hello.credit > 0)
+        verdict = self.admission.admit(self.sessions.values(), peer, replaced, now, grants=hello.credit > 0)
         if verdict.refusal is not None:
             self.stats["refused_busy"] += 1
             self.admission.log_refusal(hello.client_id[:12], peer, verdict.refusal)
             self._reply(rid, ErrorCode.BUSY, verdict.refusal)
-            return
+            return False
         if verdict.evict is not None:
             gone = verdict.evict
             why = f"granted no credit in {gone.stalled_for(now):.1f}s" + (" and has none left" if gone.granted else "")
             self._drop(gone, f"{why}; its place went to a new client", logging.INFO)
             self._send(gone.routing_id, encode(Bye(f"server full, and this session {why}")))
-        old = self.sessions.pop(rid, None)
-        # A Welcome the session this Hello replaces could not send yet (its peer's queue full)
-        # still goes, first: every Hello is answered. A peer that does not read cannot pile them up.
-        carried = old.unsent_welcomes() if old is not None else []
-        if old is not None:
-            old.stop()
-            waiting = sum(memoryview(f).nbytes for _, frames, _ in carried for f in frames)
-            if waiting > MAX_WAITING_WELCOMES:
-                self._drop(old, f"not reading: {len(carried)} Welcomes ({waiting} bytes) waiting for room in its send queue")
-                return
+        return True
+
+    def _stop_replaced(self, old: Session, carried: list) -> bool:
+        """Stop a session a Hello replaces; False (and it is dropped) where the Welcomes it could
+        not send are more than a peer that reads would leave waiting."""
+        old.stop()
+        waiting = sum(memoryview(f).nbytes for _, frames, _ in carried for f in frames)
+        if waiting > MAX_WAITING_WELCOMES:
+            self._drop(old, f"not reading: {len(carried)} Welcomes ({waiting} bytes) waiting for room in its send queue")
+            return False
+        return True
+
+    def _drop_twins(self, twins: list[Session], peer: str) -> None:
+        """Drop the sessions of the same client id that a new connection of it replaces."""
         for other in twins:
             # A client on this host moves to the Unix socket once welcomed over TCP: routine, not news.
             if peer == LOCAL and other.peer != LOCAL:
                 self._drop(other, "moved to this host's Unix socket", level=logging.DEBUG)
             else:
                 self._drop(other, "replaced by a new connection of the same client", level=logging.INFO)
+
+    def _new_session(self, rid: bytes, hello: Hello, wanted: tuple[str, ...], peer: str) -> Session:
         tag = uuid.uuid4().hex
         name = f"{hello.client_id[:12]}#{tag[:6]}"
         slabs = None
         if hello.shm and peer == LOCAL and self.slab_folder is not None:
             # Prepared, in flight, and a few the client still holds or has not yet said it let go.
             slabs = SessionSlabs(self.slab_folder, tag, max_slabs=3 * self.hwm + 8)
-        session = Session(rid, hello, src, tuple(wanted), self.hwm, self.checksum, self._wake, name, self.recent,
+        session = Session(rid, hello, self.source, wanted, self.hwm, self.checksum, self._wake, name, self.recent,
                           peer=peer, max_heartbeat=self.max_client_heartbeat, slabs=slabs)
         self.sessions[rid] = session
         self.stats["sessions"] += 1
+        return session
+
+    def _welcome(self, name: str, hello: Hello, wanted: tuple[str, ...], peer: str) -> Welcome:
+        src = self.source
         schema = src.schema()
-        welcome = Welcome(
+        return Welcome(
             session=name,
             stream=hello.stream,
-            sources=tuple(wanted),
+            sources=wanted,
             schema={k: schema[k] for k in wanted},
             batches_per_epoch=src.batches_per_epoch(hello.split, hello.rank, hello.world_size),
             heartbeat=self.heartbeat,
@@ -406,19 +451,6 @@ class Server(Listener):
             # A source without one (a Fuel-style stream) leaves its clients nothing to hold to.
             fingerprint=src.fingerprint(hello.split),
         )
-        # Before the Welcome: a session the server has no thread for is refused, not welcomed.
-        if not self._start(session):
-            return
-        # Queued ahead of its batches: it waits with them where the peer's queue is full (of the
-        # batches of a session this Hello replaced, say).
-        session.put_first(*carried, ("welcome", encode(welcome), 0))
-        session.blocked_since = old.blocked_since if old is not None else None
-        self._flush(session)
-        if old is None and self.sessions.get(rid) is session:
-            log.info(
-                "client %s: rank %d of %d, split %r, from epoch %d batch %d",
-                name, hello.rank, hello.world_size, hello.split, hello.epoch, hello.cursor,
-            )
 
     def _flush(self, session: Session) -> None:
         items = session.take_sendable()

@@ -51,38 +51,43 @@ DEFAULT_SPLIT = "train"
 TABLE_METADATA_KEY = b"fuelline.table"
 
 
-def label_classes(metadata: Sequence[Any]) -> dict[str, Any]:
-    """The label facts of a split from its files' footers (``pq.FileMetaData``): ``label`` (the
-    column), ``class_counts`` ({class name: rows}) and ``class_names`` (in class index order,
-    where the classes are 0..C-1); empty unless every file says the same label."""
-    described: list[dict[str, Any]] = []
-    for meta in metadata:
-        raw = (meta.metadata or {}).get(TABLE_METADATA_KEY)
-        try:
-            said = json.loads(raw) if raw is not None else None
-        except ValueError:
-            return {}
-        if not isinstance(said, dict) or "label" not in said:
-            return {}
-        described.append(said)
-    if not described:
-        return {}
-    label, names = described[0]["label"], described[0].get("classes")
-    if any(d["label"] != label or d.get("classes") != names for d in described):
-        return {}
+def _table_facts(meta: Any) -> dict[str, Any] | None:
+    """What ``fuelline import`` wrote into one file's footer, or None."""
+    raw = (meta.metadata or {}).get(TABLE_METADATA_KEY)
+    try:
+        said = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return said if isinstance(said, dict) and "label" in said else None
+
+
+def _summed_counts(described: list[dict[str, Any]]) -> dict[int, int]:
     counts: dict[int, int] = {}
     for d in described:
         for key, n in (d.get("counts") or {}).items():
             counts[int(key)] = counts.get(int(key), 0) + int(n)
+    return counts
+
+
+def label_classes(metadata: Sequence[Any]) -> dict[str, Any]:
+    """The label facts of a split from its files' footers (``pq.FileMetaData``): ``label`` (the
+    column), ``class_counts`` ({class name: rows}) and ``class_names`` (in class index order,
+    where the classes are 0..C-1); empty unless every file says the same label."""
+    said = [_table_facts(meta) for meta in metadata]
+    described = [d for d in said if d is not None]
+    if not said or len(described) < len(said):
+        return {}
+    first = described[0]
+    if len({(d["label"], json.dumps(d.get("classes"))) for d in described}) > 1:
+        return {}
+    counts = _summed_counts(described)
+    names = first.get("classes")
     if names is None and counts and sorted(counts) == list(range(max(counts) + 1)):
         names = [str(c) for c in range(max(counts) + 1)]
-    facts: dict[str, Any] = {"label": label}
-    if names is not None:
-        facts["class_names"] = list(names)
-        facts["class_counts"] = {name: counts.get(i, 0) for i, name in enumerate(names)}
-    else:
-        facts["class_counts"] = {str(c): n for c, n in sorted(counts.items())}
-    return facts
+    if names is None:
+        return {"label": first["label"], "class_counts": {str(c): n for c, n in sorted(counts.items())}}
+    return {"label": first["label"], "class_names": list(names),
+            "class_counts": {name: counts.get(i, 0) for i, name in enumerate(names)}}
 
 
 def _parquet_files(store: Store, folder: str) -> list[str]:
