@@ -26,6 +26,7 @@ connection holds to the first one it hears (or the one ``hold_to`` gives it), an
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 import uuid
@@ -51,7 +52,13 @@ from fuelline.protocol import (
 )
 from fuelline.protocol.common.threadnames import name_this_thread
 
-__all__ = ["Connection", "Item"]
+__all__ = ["Connection", "Item", "backoff_delay"]
+
+
+def backoff_delay(backoff: float, rng: random.Random) -> float:
+    """The wait before a reconnect: between half of ``backoff`` and all of it, at random, so
+    that clients a server restart dropped together do not all come back in the same instant."""
+    return backoff / 2 + rng.uniform(0.0, backoff / 2)
 
 log = logging.getLogger("fuelline.client")
 
@@ -152,6 +159,7 @@ class Connection(Receiving):
         self._bye_pending = False
         self._busy_since: float | None = None  # when a server that welcomed us first said it was full
         self._backoff = self.BACKOFF_MIN
+        self._jitter = random.Random()  # (seeded by the system: every client its own draws)
         self._retry_at: float | None = None
         self._last_heard = self._last_sent = self._hello_sent = self._started = time.monotonic()
 
@@ -366,18 +374,8 @@ class Connection(Receiving):
     def _step(self, wait: float, limit: int | None = None) -> None:
         """Receive what there is (waiting up to ``wait`` seconds; at most ``limit`` messages),
         then keep the connection alive: heartbeats, silence detection, reconnection."""
-        if self._error is not None:
+        if self._error is not None or not self._reconnected(wait):
             return
-        now = time.monotonic()
-        if self._sock is None and self._retry_at is not None:
-            if now < self._retry_at:
-                time.sleep(min(wait, self._retry_at - now))  # backing off; the caller waits anyway
-                return
-            self.reconnects += 1
-            self._retry_at = None
-            self.transport = self.endpoint  # the server may have restarted elsewhere: ask TCP again
-            self._slabs = None
-            self._open()
         if self._sock is not None and (self._sock.poll(int(wait * 1000)) if wait > 0 else True):
             self._drain_socket(limit)
         if self._sock is not None and not self._connected:  # handshakes happen before a Welcome
@@ -387,35 +385,59 @@ class Connection(Receiving):
         if self._error is not None:
             return
         now = time.monotonic()
+        if self._given_up(now) or self._sock is None:
+            return
+        self._heartbeat_or_retry(now)
+
+    def _reconnected(self, wait: float) -> bool:
+        """Reopen the socket once a backoff is over; False while it lasts (having waited in it
+        up to ``wait`` seconds: the caller waits anyway)."""
+        if self._sock is not None or self._retry_at is None:
+            return True
+        now = time.monotonic()
+        if now < self._retry_at:
+            time.sleep(min(wait, self._retry_at - now))
+            return False
+        self.reconnects += 1
+        self._retry_at = None
+        self.transport = self.endpoint  # the server may have restarted elsewhere: ask TCP again
+        self._slabs = None
+        self._open()
+        return True
+
+    def _given_up(self, now: float) -> bool:
+        """Fail (and True) where connections were refused, or the server silent, for too long."""
         silent = now - self._last_heard
         # Refused connections fail after connect_timeout, but only before the first Welcome: a
         # server welcomed once may be restarting, and gets the whole timeout.
         refusal_limit = self._timeout if self.welcome is not None else self._connect_timeout
         if self._watch.refused_for(now, self._started, refusal_limit) > refusal_limit and self.welcome is None:
             self._fail(ServerUnavailable(self.endpoint, now - self._started, self._detail("")))
-            return
+            return True
         if silent > self._timeout:
             detail = f"it said: {self._bye_reason}" if self._bye_reason else ""
             self._fail(ServerUnavailable(self.endpoint, silent, self._detail(detail)))
-            return
-        if self._sock is None:
-            return
+            return True
+        return False
+
+    def _heartbeat_or_retry(self, now: float) -> None:
+        """A heartbeat when this side has been quiet; after silence (or a Bye), drop the socket
+        and try again after a backoff."""
         silence_limit = 3 * (self._server_heartbeat if self._connected else self._heartbeat)
         # No Welcome for as long counts as silence, whatever else the server says: a Hello lost
         # with a server killed after it was sent is never answered by the next one, which only
         # replies no-session to heartbeats.
         unwelcome = self._awaiting_welcome and now - self._hello_sent > silence_limit
         if self._bye_pending or unwelcome or now - max(self._last_heard, self._hello_sent) > silence_limit:
-            # Silence (or a Bye): drop this socket and try again with backoff.
             if unwelcome and now - self._last_heard <= silence_limit:
                 log.warning("server %s sent no Welcome in %.1fs; reconnecting", self.endpoint, now - self._hello_sent)
             elif not self._bye_pending:
                 # (Refused connections were told once, as such: retrying them is no news.)
                 log.log(logging.DEBUG if self._watch.refused else logging.WARNING,
-                        "server %s silent for %.1fs; reconnecting", self.endpoint, silent)
+                        "server %s silent for %.1fs; reconnecting", self.endpoint, now - self._last_heard)
             self._bye_pending = False
             self._close_socket()
-            self._retry_at = now + self._backoff
+            self._retry_at = now + backoff_delay(self._backoff, self._jitter)
             self._backoff = min(self._backoff * 2, self.BACKOFF_MAX)
         elif now - self._last_sent >= self._heartbeat:
             self._send(Heartbeat())

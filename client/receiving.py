@@ -196,86 +196,107 @@ class Receiving:
         return self._slabs.arrays(metas, placement)
 
     def _on_message(self, msg: Any) -> None:
-        if isinstance(msg, Batch):
-            if msg.stream != self._gen:
-                return  # from a session a later Hello replaced
-            if self._awaiting_welcome:
-                # Its Welcome, and so its fingerprint, is not checked yet: never hand it over.
-                self._fail(ProtocolError(f"{self.endpoint} sent batch {msg.epoch}:{msg.seq} before its Welcome"))
-                return
-            if (msg.epoch, msg.seq) != self._pos:
-                self._out_of_order(f"batch {msg.epoch}:{msg.seq}", (msg.epoch, msg.seq))
-                return
-            self._received += 1
-            self._items.append(Item(self._stream, "batch", msg.epoch, msg.seq, dict(msg.arrays)))
-            self._undelivered += 1
-            self._pos = (msg.epoch, msg.seq + 1)
-        elif isinstance(msg, EndOfEpoch):
-            if msg.stream != self._gen:
-                return
-            if (msg.epoch, msg.batches) != self._pos:
-                self._out_of_order(f"the end of epoch {msg.epoch} after {msg.batches} batches", (msg.epoch, msg.batches))
-                return
-            self._received += 1
-            self._items.append(Item(self._stream, "end", msg.epoch, msg.batches))
-            self._pos = (msg.epoch + 1, 0)
-            self._history = ()  # later epochs start whole
-        elif isinstance(msg, Welcome):
-            if msg.stream == self._gen:
-                if self.fingerprint is None:
-                    if msg.fingerprint is not None:
-                        self.fingerprint = dict(msg.fingerprint)
-                        self._fingerprint_at = f"in what {self.endpoint} served before"
-                elif msg.fingerprint != self.fingerprint:
-                    self._fail(FingerprintMismatch(self.fingerprint, msg.fingerprint, self._fingerprint_at,
-                                                   f"at {self.endpoint} now"))
-                    return
-                self._connected = True
-                self._awaiting_welcome = False
-                self._bye_reason = ""
-                self._busy_since = None
-                self._backoff = self.BACKOFF_MIN
-                self._server_heartbeat = msg.heartbeat
-                self.welcome = msg
-                # The handshake is done: nothing more to learn from the monitor, whose unread
-                # events would pile up for as long as this socket lives.
-                self._watch.detach()
-                if msg.local is not None and self.transport == self.endpoint and self._shares_host(msg.local):
-                    # The same session again over the Unix socket: the Hello there replaces this
-                    # one, and asks for the credit this one held back.
-                    log.debug("server %s is on this host: reading through %s", self.endpoint, msg.local["endpoint"])
-                    self.transport = msg.local["endpoint"]
-                    if self._shared_memory:
-                        self._slabs = ClientSlabs(os.path.dirname(self.transport[len("ipc://"):]))
-                    self._close_socket()
-                    self._open()
-                elif self._withheld:
-                    # Staying on TCP (another host, no socket offered): the credit the Hello held back.
-                    self._send(Credit(self._withheld))
-                    self._withheld = 0
-        elif isinstance(msg, Error):
-            if msg.code == ErrorCode.NO_SESSION:
-                # The server restarted, or dropped us: ask again from where we are.
-                if not self._awaiting_welcome:
-                    self._connected = False
-                    self._say_hello()
-            elif msg.code == ErrorCode.BUSY and self.welcome is not None:
-                self._full(msg.message)
-            elif msg.fatal:
-                self._fail(RemoteError(msg.code, msg.message, peer=self.endpoint))
-            else:
-                if msg.code == ErrorCode.DATA_LOSS:
-                    # Sent in order with the batches: the epoch of the next batch due is the
-                    # epoch whose rows were left out, however far ahead of the consumer we read.
-                    self.data_losses.append(msg.message)
-                    self.data_loss_epochs.append(self._pos[0])
-                log.warning("server %s: %s [%s]", self.endpoint, msg.message, msg.code)
-        elif isinstance(msg, Bye):
-            log.warning("server %s said bye: %s", self.endpoint, msg.reason)
-            self._bye_reason = msg.reason or "bye"
-            self._bye_pending = True
-            self._connected = False
-        elif isinstance(msg, Heartbeat):
-            if msg.stream == self._gen and not self._awaiting_welcome and msg.sent is not None and msg.sent > self._received:
-                self._lost(f"it has sent {msg.sent} messages of this stream and {self._received} arrived")
+        handler = self._HANDLERS.get(type(msg))
+        if handler is not None:
+            getattr(self, handler)(msg)
+
+    def _on_batch(self, msg: Batch) -> None:
+        if msg.stream != self._gen:
+            return  # from a session a later Hello replaced
+        if self._awaiting_welcome:
+            # Its Welcome, and so its fingerprint, is not checked yet: never hand it over.
+            self._fail(ProtocolError(f"{self.endpoint} sent batch {msg.epoch}:{msg.seq} before its Welcome"))
+            return
+        if (msg.epoch, msg.seq) != self._pos:
+            self._out_of_order(f"batch {msg.epoch}:{msg.seq}", (msg.epoch, msg.seq))
+            return
+        self._received += 1
+        self._items.append(Item(self._stream, "batch", msg.epoch, msg.seq, dict(msg.arrays)))
+        self._undelivered += 1
+        self._pos = (msg.epoch, msg.seq + 1)
+
+    def _on_end(self, msg: EndOfEpoch) -> None:
+        if msg.stream != self._gen:
+            return
+        if (msg.epoch, msg.batches) != self._pos:
+            self._out_of_order(f"the end of epoch {msg.epoch} after {msg.batches} batches", (msg.epoch, msg.batches))
+            return
+        self._received += 1
+        self._items.append(Item(self._stream, "end", msg.epoch, msg.batches))
+        self._pos = (msg.epoch + 1, 0)
+        self._history = ()  # later epochs start whole
+
+    def _on_welcome(self, msg: Welcome) -> None:
+        if msg.stream != self._gen or not self._same_sequence(msg):
+            return
+        self._connected = True
+        self._awaiting_welcome = False
+        self._bye_reason = ""
+        self._busy_since = None
+        self._backoff = self.BACKOFF_MIN
+        self._server_heartbeat = msg.heartbeat
+        self.welcome = msg
+        # The handshake is done: nothing more to learn from the monitor, whose unread
+        # events would pile up for as long as this socket lives.
+        self._watch.detach()
+        if msg.local is not None and self.transport == self.endpoint and self._shares_host(msg.local):
+            # The same session again over the Unix socket: the Hello there replaces this
+            # one, and asks for the credit this one held back.
+            log.debug("server %s is on this host: reading through %s", self.endpoint, msg.local["endpoint"])
+            self.transport = msg.local["endpoint"]
+            if self._shared_memory:
+                self._slabs = ClientSlabs(os.path.dirname(self.transport[len("ipc://"):]))
+            self._close_socket()
+            self._open()
+        elif self._withheld:
+            # Staying on TCP (another host, no socket offered): the credit the Hello held back.
+            self._send(Credit(self._withheld))
+            self._withheld = 0
+
+    def _same_sequence(self, msg: Welcome) -> bool:
+        """Hold to the first fingerprint heard; False (and the connection fails) on another."""
+        if self.fingerprint is None:
+            if msg.fingerprint is not None:
+                self.fingerprint = dict(msg.fingerprint)
+                self._fingerprint_at = f"in what {self.endpoint} served before"
+            return True
+        if msg.fingerprint != self.fingerprint:
+            self._fail(FingerprintMismatch(self.fingerprint, msg.fingerprint, self._fingerprint_at,
+                                           f"at {self.endpoint} now"))
+            return False
+        return True
+
+    def _on_error(self, msg: Error) -> None:
+        if msg.code == ErrorCode.NO_SESSION:
+            # The server restarted, or dropped us: ask again from where we are.
+            if not self._awaiting_welcome:
+                self._connected = False
+                self._say_hello()
+        elif msg.code == ErrorCode.BUSY and self.welcome is not None:
+            self._full(msg.message)
+        elif msg.fatal:
+            self._fail(RemoteError(msg.code, msg.message, peer=self.endpoint))
+        else:
+            if msg.code == ErrorCode.DATA_LOSS:
+                # Sent in order with the batches: the epoch of the next batch due is the
+                # epoch whose rows were left out, however far ahead of the consumer we read.
+                self.data_losses.append(msg.message)
+                self.data_loss_epochs.append(self._pos[0])
+            log.warning("server %s: %s [%s]", self.endpoint, msg.message, msg.code)
+
+    def _on_bye(self, msg: Bye) -> None:
+        log.warning("server %s said bye: %s", self.endpoint, msg.reason)
+        self._bye_reason = msg.reason or "bye"
+        self._bye_pending = True
+        self._connected = False
+
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        if msg.stream == self._gen and not self._awaiting_welcome and msg.sent is not None and msg.sent > self._received:
+            self._lost(f"it has sent {msg.sent} messages of this stream and {self._received} arrived")
         # (Any other heartbeat: hearing it is all it is for.)
+
+    # Each message type's handler, by name (a subclass may refine one).
+    _HANDLERS: dict[type, str] = {
+        Batch: "_on_batch", EndOfEpoch: "_on_end", Welcome: "_on_welcome", Error: "_on_error", Bye: "_on_bye",
+        Heartbeat: "_on_heartbeat",
+    }

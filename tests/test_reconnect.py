@@ -66,3 +66,17 @@ def test_stopped_server_is_noticed_and_the_stream_resumes_when_it_continues(
         assert noticed < 3 * 0.2 + 0.3
         seen += [b[0].tolist() for b in it]
     assert seen == expected
+
+
+def test_the_reconnect_backoff_is_jittered_so_clients_dropped_together_come_back_spread_out() -> None:
+    """Clients a server restart dropped in the same instant each wait between half their backoff
+    and all of it, by draws of their own: a thousand of them do not come back at one moment."""
+    import random
+
+    from fuelline.client.connection import backoff_delay
+
+    waits = [backoff_delay(0.4, random.Random()) for _ in range(1000)]
+    assert min(waits) >= 0.2 and max(waits) <= 0.4
+    # Spread over the range: no tenth of it holds more than a quarter of the clients.
+    counts = [sum(0.2 + 0.02 * k <= w < 0.2 + 0.02 * (k + 1) for w in waits) for k in range(10)]
+    assert max(counts) < 250, counts
