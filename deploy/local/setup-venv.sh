@@ -24,7 +24,10 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
         # configured with (--extra-index-url, not --index-url): a host that installs from a local
         # mirror or wheel folder and cannot reach download.pytorch.org still gets its torch there.
         # Where both offer 2.13.0, pip takes the CPU index's 2.13.0+cpu (a local version sorts higher).
-        python -c "import torch" 2>/dev/null || pip_quiet "torch==2.13.0" --extra-index-url "$TORCH_CPU_INDEX"
+        # No retries: an index that cannot be reached is passed over at once, not after five tries
+        # for each of torch's dependencies.
+        python -c "import torch" 2>/dev/null \
+            || pip_quiet "torch==2.13.0" --extra-index-url "$TORCH_CPU_INDEX" --retries 0 --timeout 15
         pip_quiet -e "$ROOT[dev,trainer]" 2> >(grep -v -e Warning -e '^ ' -e '^$' >&2)
     else
         pip_quiet -e "$ROOT" 2> >(grep -v -e Warning -e '^ ' -e '^$' >&2)
