@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from fuelline.protocol import Batch, Bye, Credit, Hello
-from fuelline.server.cache.memory import RecentBatches
+from fuelline.server.cache.memory import RecentBatches, Remembered
 from fuelline.server.serving.server import Server
 from fuelline.server.sources.parquet import ParquetSource
 
@@ -80,7 +80,7 @@ def test_the_memory_tier_is_bounded_per_client_and_in_clients() -> None:
     recent = RecentBatches(k=3, max_clients=2)
     for client in ("a", "b", "c"):
         for seq in range(5):
-            recent.put(client, "req", 0, seq, {"x": np.arange(seq)})
+            recent.put(client, "req", 0, seq, Remembered({"x": np.arange(seq)}, None))
     assert recent.batches() == 6  # 3 each, for the 2 most recent clients
     assert recent.get("a", "req", 0, 4) is None  # the oldest client went first
     assert recent.get("c", "req", 0, 1) is None and recent.get("c", "req", 0, 2) is not None

@@ -8,10 +8,13 @@ n elements of b bytes sends 2·(W−1)/W·n·b bytes per rank; that is what is c
 # No ``from __future__ import annotations`` here: DDP checks that a hook's ``bucket`` parameter is
 # annotated with the GradBucket class itself, not a string.
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from fuelline.trainer.onebit import OneBitState
 
 __all__ = ["CountingState", "allreduce_hook", "fp16_hook", "register"]
 
@@ -59,7 +62,9 @@ def fp16_hook(state: CountingState, bucket: dist.GradBucket) -> torch.futures.Fu
     return dist.all_reduce(half, group=group, async_op=True).get_future().then(back)
 
 
-def register(ddp: torch.nn.parallel.DistributedDataParallel, compression: str, warmup_iters: int = 10):
+def register(
+    ddp: torch.nn.parallel.DistributedDataParallel, compression: str, warmup_iters: int = 10
+) -> Union[CountingState, "OneBitState"]:
     """Register the hook for ``compression``; returns the state whose byte counters to report."""
     if compression == "none":
         state = CountingState()
@@ -70,9 +75,10 @@ def register(ddp: torch.nn.parallel.DistributedDataParallel, compression: str, w
     elif compression == "onebit":
         from fuelline.trainer.onebit import OneBitState, onebit_hook
 
-        state = OneBitState(warmup_iters=warmup_iters)
-        state.name_parameters(ddp.module)  # error buffers that outlive bucket rebuilds and resumes
-        ddp.register_comm_hook(state, onebit_hook)
+        onebit = OneBitState(warmup_iters=warmup_iters)
+        onebit.name_parameters(ddp.module)  # error buffers that outlive bucket rebuilds and resumes
+        ddp.register_comm_hook(onebit, onebit_hook)
+        return onebit
     else:
         raise ValueError(f"--compression must be none, fp16 or onebit, got {compression!r}")
     return state

@@ -18,19 +18,32 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["class_weights", "modality_losses", "l2_norm", "DynamicWeightAverage", "LSTMWeighting", "make_weighting"]
+__all__ = ["class_weights", "modality_losses", "l2_norm", "loss_sum", "DynamicWeightAverage", "LSTMWeighting", "make_weighting"]
 
 
 def class_weights(counts: Sequence[int], eps: float = 1.0) -> torch.Tensor:
     """``w_c = N_max / (N_c + ε)``."""
     n = torch.tensor([float(c) for c in counts])
     return n.max() / (n + eps)
+
+
+def loss_sum(terms: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The sum of one or more losses, added in order as ``sum`` adds them (whose result, typed for
+    no terms at all, could be the int 0)."""
+    it = iter(terms)
+    try:
+        total = next(it)
+    except StopIteration:
+        raise ValueError("no loss terms to add up") from None
+    for term in it:
+        total = total + term
+    return total
 
 
 def modality_losses(logits: Mapping[str, torch.Tensor], labels: torch.Tensor, weights: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -93,7 +106,7 @@ class LSTMWeighting(DynamicWeightAverage):
             return
         hist = torch.tensor(self.history, dtype=torch.float32)
         for _ in range(50):  # fit: predict each epoch's losses from the epochs before it
-            loss = sum(F.mse_loss(self._predict(hist[None, :t]), hist[None, t]) for t in range(1, len(hist)))
+            loss = loss_sum(F.mse_loss(self._predict(hist[None, :t]), hist[None, t]) for t in range(1, len(hist)))
             self.opt.zero_grad()
             loss.backward()
             self.opt.step()

@@ -18,7 +18,7 @@ saved with its offset. It is per rank: it applies only at the same rank of the s
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -103,19 +103,41 @@ def restore_into(buffer: torch.Tensor, layout: Layout, saved: Mapping[str, Any],
         offset += n
 
 
+class _ErrorState(Protocol):
+    """The state :class:`NamedErrors` works on: the fields of
+    :class:`~fuelline.trainer.onebit.OneBitState` (which keeps them in its own slots, the
+    ones it pickles) that its methods use."""
+
+    iter: int
+    send_errors: dict[Hashable, torch.Tensor]
+    reduce_errors: dict[Hashable, torch.Tensor]
+    places: dict[int, tuple[int, str]]
+    layouts: dict[Hashable, Layout]
+    orders: dict[tuple[int, ...], tuple[Hashable, torch.Tensor]]
+    restored: dict[str, dict[str, Any]]
+    bytes_sent: int
+    elements: int
+
+    @property
+    def group(self) -> dist.ProcessGroup: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+
 class NamedErrors:
     """What :class:`~fuelline.trainer.onebit.OneBitState` does with parameter names: key its
     buckets canonically, and save and restore its counters and error buffers."""
 
     __slots__ = ()
 
-    def name_parameters(self, module: torch.nn.Module) -> None:
+    def name_parameters(self: _ErrorState, module: torch.nn.Module) -> None:
         """Key the error buffers of :func:`onebit_hook` by the names of ``module``'s parameters
         (the module DDP wraps), so that they survive bucket rebuilds and checkpoints."""
         self.places = {id(p): (i, name) for i, (name, p) in enumerate(module.named_parameters())}
         self.orders.clear()
 
-    def bucket_key(self, bucket: dist.GradBucket) -> tuple[Hashable, torch.Tensor | None]:
+    def bucket_key(self: _ErrorState, bucket: dist.GradBucket) -> tuple[Hashable, torch.Tensor | None]:
         """The error-feedback key of ``bucket`` and the order that lays it out canonically
         (None: as it is, keyed by bucket index, when the parameters have no names)."""
         params = bucket.parameters()
@@ -129,7 +151,7 @@ class NamedErrors:
             self.orders[ids] = (key, order.to(bucket.buffer().device))
         return self.orders[ids]
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self: _ErrorState) -> dict[str, Any]:
         """Counters, iteration count and error buffers, for a checkpoint, as plain data.
 
         The buffers are saved per parameter name (buckets keyed by index are left out), the
@@ -146,7 +168,7 @@ class NamedErrors:
             "errors": errors_state(self.send_errors, self.reduce_errors, self.layouts, rank),
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any], buffers: bool = True) -> None:
+    def load_state_dict(self: _ErrorState, state_dict: dict[str, Any], buffers: bool = True) -> None:
         """Restore counters and iteration count (a warm-up done stays done) and, with
         ``buffers``, the error buffers, which are put in place as their buckets come by.
 
@@ -165,7 +187,7 @@ class NamedErrors:
         if buffers and errors:
             self.restored = {kind: dict(errors[kind]) for kind in ("worker", "server", "keyed")}
 
-    def _restore(self, errors: dict[Hashable, torch.Tensor], key: Hashable, buffer: torch.Tensor, start: int) -> None:
+    def _restore(self: _ErrorState, errors: dict[Hashable, torch.Tensor], key: Hashable, buffer: torch.Tensor, start: int) -> None:
         kind = "server" if errors is self.reduce_errors else "worker"
         saved = self.restored["keyed"].get(key, {}).pop(kind, None) if isinstance(key, str) else None
         if saved is not None and saved.numel() == buffer.numel():

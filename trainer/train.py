@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from fuelline.trainer.cli import parse_args, warmup_steps
 from fuelline.trainer.dynamic_batch import MicroBatcher
 from fuelline.trainer.finite import NonFiniteError, check_finite
 from fuelline.trainer.lifecycle import exit_with_parent, shutdown
-from fuelline.trainer.losses import class_weights, l2_norm, make_weighting, modality_losses
+from fuelline.trainer.losses import class_weights, l2_norm, loss_sum, make_weighting, modality_losses
 from fuelline.trainer.model_spec import EVAL_HEAD, as_heads, build_model, scan_classes
 from fuelline.trainer.onebit_momentum import register_momentum_hook
 from fuelline.trainer.optimizers import exchanges_momentum, make_optimizer
@@ -183,12 +183,12 @@ class Trainer:
             self.ckpt.save(self.step, self.state())
 
     # -- training ------------------------------------------------------------------------------
-    def _logits(self, module: torch.nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _logits(self, module: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Logits per head of ``module`` (the DDP wrapper or the bare model); it never sees the labels."""
         label = self.spec.label_source
         return as_heads(module({k: v for k, v in batch.items() if k != label}))
 
-    def _forward_backward(self, batch: dict[str, torch.Tensor], scale: float) -> None:
+    def _forward_backward(self, batch: Mapping[str, torch.Tensor], scale: float) -> None:
         logits = self._logits(self.ddp, batch)
         losses = modality_losses(logits, batch[self.spec.label_source], self.weights)
         total = sum(self.alphas[m] * losses[m] for m in self.heads) + self.args.l2 * l2_norm(self.model.parameters())
@@ -202,10 +202,10 @@ class Trainer:
     def _probe_micro_batch(self, batch: dict[str, torch.Tensor]) -> None:
         """CUDA: the largest micro-batch that fits, the same on every rank (the smallest found)."""
 
-        def trial(b: dict[str, torch.Tensor], scale: float) -> None:
+        def trial(b: Mapping[str, torch.Tensor], scale: float) -> None:
             with self.ddp.no_sync():  # a probe must not all-reduce: the ranks may try different sizes
                 logits = self._logits(self.ddp, b)
-                sum(F.cross_entropy(z, b[self.spec.label_source]) for z in logits.values()).backward()
+                loss_sum(F.cross_entropy(z, b[self.spec.label_source]) for z in logits.values()).backward()
 
         size = self.micro.probe(batch, trial, lambda: self.optimizer.zero_grad(set_to_none=True))
         if dist.is_initialized() and size is not None:

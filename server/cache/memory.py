@@ -10,18 +10,28 @@ An entry belongs to one client (its ``client_id``) and one request (split, rank,
 history, sources): a Hello that asks for anything else starts the client afresh. Memory is bounded
 by K batches per client and by ``max_clients``, the least recently served client going first; a
 client that says Bye is forgotten at once. The arrays are kept as they were sent (a batch that is a
-view of a decoded block keeps that block alive while it is cached).
+view of a decoded block keeps that block alive while it is cached), with the checksums they were
+sent with where they might be written again (``Remembered``).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, Hashable
+from typing import Any, Hashable, NamedTuple
 
 import numpy as np
 
-__all__ = ["RecentBatches"]
+__all__ = ["RecentBatches", "Remembered"]
+
+
+class Remembered(NamedTuple):
+    """A batch as the memory tier keeps it: its arrays, and the checksum of each array as it was
+    sent (in the arrays' order), or None where the source never writes a batch again, so that a
+    batch changed since it was sent is not sent again as if it were the same."""
+
+    arrays: dict[str, np.ndarray]
+    checksums: tuple[int | None, ...] | None
 
 
 class _Client:
@@ -29,7 +39,7 @@ class _Client:
 
     def __init__(self, request: Hashable) -> None:
         self.request = request
-        self.batches: OrderedDict[tuple[int, int], dict[str, np.ndarray]] = OrderedDict()
+        self.batches: OrderedDict[tuple[int, int], Remembered] = OrderedDict()
 
 
 class RecentBatches:
@@ -48,19 +58,19 @@ class RecentBatches:
         self._clients: OrderedDict[str, _Client] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, client_id: str, request: Hashable, epoch: int, seq: int) -> dict[str, np.ndarray] | None:
+    def get(self, client_id: str, request: Hashable, epoch: int, seq: int) -> Remembered | None:
         """Batch ``seq`` of ``epoch`` if it was prepared for this client and request (a hit)."""
         with self._lock:
             client = self._clients.get(client_id)
             if client is None or client.request != request:
                 return None
-            arrays = client.batches.get((epoch, seq))
-            if arrays is not None:
+            entry = client.batches.get((epoch, seq))
+            if entry is not None:
                 self.hits += 1
                 self._clients.move_to_end(client_id)
-            return arrays
+            return entry
 
-    def put(self, client_id: str, request: Hashable, epoch: int, seq: int, arrays: dict[str, np.ndarray]) -> None:
+    def put(self, client_id: str, request: Hashable, epoch: int, seq: int, entry: Remembered) -> None:
         """Record a batch just prepared by the source (a miss)."""
         with self._lock:
             self.misses += 1
@@ -70,7 +80,7 @@ class RecentBatches:
             if client is None or client.request != request:
                 client = self._clients[client_id] = _Client(request)
             self._clients.move_to_end(client_id)
-            client.batches[(epoch, seq)] = arrays
+            client.batches[(epoch, seq)] = entry
             client.batches.move_to_end((epoch, seq))
             while len(client.batches) > self.k:
                 client.batches.popitem(last=False)

@@ -62,10 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
         command.register(sub)
     # The logging options also after the subcommand (``fuelline serve DATA --log-format json``),
     # where unit files and manifests put every option.
-    for command in sub.choices.values():
-        command.formatter_class = DefaultsHelpFormatter
-        command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help=argparse.SUPPRESS)
-        command.add_argument("--log-format", default=argparse.SUPPRESS, choices=LOG_FORMATS, help=argparse.SUPPRESS)
+    for subparser in sub.choices.values():
+        subparser.formatter_class = DefaultsHelpFormatter
+        subparser.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS, help=argparse.SUPPRESS)
+        subparser.add_argument("--log-format", default=argparse.SUPPRESS, choices=LOG_FORMATS, help=argparse.SUPPRESS)
     return parser
 
 

@@ -16,7 +16,7 @@ import sys
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
-from typing import Iterator, Mapping, Sequence
+from typing import Generator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -103,23 +103,32 @@ class RunningStats:
         self._sum = np.zeros_like(shift)
         self._sum_sq = np.zeros_like(shift)
 
+    def _started(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The shift and the sums around it so far."""
+        if self._shift is None or self._sum is None or self._sum_sq is None:
+            raise RuntimeError("RunningStats: no shift to take sums around yet (start, or add, comes first)")
+        return self._shift, self._sum, self._sum_sq
+
     def sums(self, x: np.ndarray) -> tuple[int, np.ndarray, np.ndarray]:
         """One recording's samples, their sum and sum of squares around the shift: what ``add``
         adds, kept apart so that a conversion in parts can add them later in the same order."""
-        d = x.astype(np.float64) - self._shift
+        shift, _, _ = self._started()
+        d = x.astype(np.float64) - shift
         return len(x), d.sum(axis=0), np.einsum("ij,ij->j", d, d)
 
     def add_sums(self, count: int, total: np.ndarray, total_sq: np.ndarray) -> None:
-        self._sum += total
-        self._sum_sq += total_sq
+        _, sum_so_far, sum_sq_so_far = self._started()
+        sum_so_far += total  # (in place: the running sums themselves)
+        sum_sq_so_far += total_sq
         self.count += count
 
     def result(self) -> dict[str, list[float]]:
         if not self.count:
             raise DataError("no samples to compute statistics from")
-        mean_d = self._sum / self.count
-        var = np.maximum(self._sum_sq / self.count - mean_d * mean_d, 0.0)
-        return {"mean": (self._shift + mean_d).tolist(), "std": np.sqrt(var).tolist()}
+        shift, total, total_sq = self._started()
+        mean_d = total / self.count
+        var = np.maximum(total_sq / self.count - mean_d * mean_d, 0.0)
+        return {"mean": (shift + mean_d).tolist(), "std": np.sqrt(var).tolist()}
 
 
 # -- writing shards ----------------------------------------------------------------------------
@@ -209,7 +218,7 @@ def _recording(raw: RawRecording, split: str, placements: Mapping[str, Placement
 
 
 def _read_ahead(source: RawDataset, recordings: Sequence[RawRecording],
-                workers: int) -> Iterator[tuple[RawRecording, dict[str, RawSignal]]]:
+                workers: int) -> Generator[tuple[RawRecording, dict[str, RawSignal]], None, None]:
     """Each recording with its signals, in order, parsed by a few threads ahead of the writer.
 
     Parsing the TSV is most of the work and Arrow does it without the GIL, so reading the next
@@ -248,12 +257,14 @@ class _Conversion:
                      recordings: Sequence[RawRecording] | None = None, first: int = 0) -> None:
         """Shards of ``recordings`` (all by default), the first being recording ``first`` of the
         raw folder, which starts a shard: shards are numbered as a whole conversion numbers them."""
+        if first % recordings_per_shard:
+            raise ValueError(f"recording {first} does not start a shard of {recordings_per_shard} recordings")
         recordings = self.source.recordings if recordings is None else recordings
         shard: _Shard | None = None
         try:
             with closing(_read_ahead(self.source, recordings, workers)) as signals_in_order:
                 for i, (raw, signals) in enumerate(signals_in_order, start=first):
-                    if i % recordings_per_shard == 0:
+                    if shard is None or i % recordings_per_shard == 0:  # (``first`` starts a shard)
                         if shard is not None:
                             shard.close()
                         shard = _Shard(self.root, i // recordings_per_shard)

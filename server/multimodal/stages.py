@@ -119,7 +119,7 @@ class Pipeline:
 
     @property
     def names(self) -> list[str]:
-        return [getattr(s, "name", None) or getattr(s, "__qualname__", type(s).__name__) for s in self.stages]
+        return [getattr(s, "name", "") or getattr(s, "__qualname__", type(s).__name__) for s in self.stages]
 
     def __call__(self, batch: Batch) -> Batch:
         observer = self.observer

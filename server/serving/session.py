@@ -27,7 +27,7 @@ import time
 import traceback
 from collections import deque
 from concurrent.futures import Future
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, ContextManager, Generator
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from fuelline.protocol import Batch, DataError, EndOfEpoch, Error, ErrorCode, He
 from fuelline.protocol.arrays import wire_array
 from fuelline.protocol.codec import batch_checksums, encode_placed
 from fuelline.protocol.common.threadnames import name_this_thread
-from fuelline.server.cache.memory import RecentBatches
+from fuelline.server.cache.memory import RecentBatches, Remembered
 from fuelline.server.serving.slabs import SessionSlabs
 from fuelline.server.sources.buffers import allocating
 from fuelline.server.sources.contract import BatchSource, Waiting
@@ -46,6 +46,9 @@ log = logging.getLogger("fuelline.server")
 
 # An item ready to send: (kind, frames, bytes of its arrays); kind "batch" needs credit, the others do not.
 Outgoing = tuple[str, list[Any], int]
+# The producer's steps (``_production``): None after each item put, a ``Waiting`` where the next
+# batch waits for decodes (inline only).
+Production = Generator["Waiting | None", None, None]
 
 
 class Session:
@@ -114,18 +117,13 @@ class Session:
         # Prepared on the serving loop's thread (``advance``), not a thread of its own.
         self.inline = bool(source.cooperative)
         self._started = False
-        self._steps: Iterator[Waiting | None] | None = None  # inline: the producer, while it runs
+        self._steps: Production | None = None  # inline: the producer, while it runs
         self._waiting: tuple[Future, ...] = ()  # inline: the decodes its next batch needs
 
     @property
     def queued(self) -> int:
         """Items prepared and not yet sent (waiting for the client's credit)."""
         return len(self._ready)
-
-    @property
-    def producing(self) -> bool:
-        """Whether the producer was started (the client granted credit)."""
-        return self._started
 
     @property
     def can_advance(self) -> bool:
@@ -309,7 +307,9 @@ class Session:
         are kept by reference with the checksums they were sent with: one that changed since
         (a stream reusing its buffers) is not sent again, and the client's batches are dropped."""
         h, recent = self.hello, self._recent
-        entry = recent.get(h.client_id, self._request, epoch, seq) if recent is not None else None
+        if recent is None:
+            return None
+        entry = recent.get(h.client_id, self._request, epoch, seq)
         if entry is None:
             return None
         arrays, sent_with = entry
@@ -333,14 +333,14 @@ class Session:
             # (a reused buffer could not be told from the batch sent: no checksums, or placed in shared memory)
             recent.misses += 1
             return
-        entry = (arrays, None if self._immutable else batch_checksums(frames))
+        entry = Remembered(arrays, None if self._immutable else batch_checksums(frames))
         # Under the lock ``stop`` takes: once a session has stopped it remembers nothing, so a
         # client forgotten after its Bye stays forgotten.
         with self._cond:
             if not self._stopped:
                 recent.put(self.hello.client_id, self._request, epoch, seq, entry)
 
-    def _batches(self, epoch: int, start: int) -> Iterator[tuple[dict[str, Any], bool] | Waiting]:
+    def _batches(self, epoch: int, start: int) -> Generator[tuple[dict[str, Any], bool] | Waiting, None, None]:
         """(arrays, prepared now) for batches ``start…`` of an epoch: from the memory tier while
         it holds them (a client that reconnects asks again for what was just sent), then from
         the source; inline, a ``Waiting`` where the source's next batch is still being decoded."""
@@ -354,8 +354,8 @@ class Session:
         iterate = self._source.iter_steps if self.inline else self._source.iter_batches
         batches = iterate(h.split, epoch, h.rank, h.world_size, seq, self.sources, on_loss=self._report_loss, history=history)
         try:
-            for arrays in batches:
-                yield arrays if isinstance(arrays, Waiting) else (arrays, True)
+            for step in batches:
+                yield step if isinstance(step, Waiting) else (step, True)
         finally:
             batches.close()
 
@@ -386,7 +386,7 @@ class Session:
             for _ in self._production():
                 pass  # (not inline: the source waits for its decodes itself, and _put for room)
 
-    def _production(self) -> Iterator[Waiting | None]:
+    def _production(self) -> Production:
         """The producer: every batch of the session's epochs, each put for the loop to send,
         then an end of epoch; an error, put for the client, ends it. Steps: None after each
         batch put, a ``Waiting`` where the next batch waits for decodes (inline only)."""

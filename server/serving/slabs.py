@@ -255,10 +255,10 @@ class SessionSlabs:
             self._unlink(victim.path)
         n = self._names
         self._names += 1
-        slab = self._make(n, need)
-        if slab is not None:
-            self._slabs.append(slab)
-        return slab
+        made = self._make(n, need)
+        if made is not None:
+            self._slabs.append(made)
+        return made
 
     @staticmethod
     def _unlink(path: str) -> None:
@@ -274,22 +274,26 @@ class SessionSlabs:
         try:
             fs = os.statvfs(self.folder)
         except OSError as exc:
-            return self._refuse(path, size, exc)
+            self._refuse(path, size, exc)
+            return None
         free, total = fs.f_bavail * fs.f_frsize, fs.f_blocks * fs.f_frsize
         if free - size < self.keep_free * total:
-            return self._refuse(path, size, OSError(
+            self._refuse(path, size, OSError(
                 f"it would leave {max(0, free - size) >> 20} MB of the {total >> 20} MB there free, under "
                 f"{self.keep_free:.0%}"))
+            return None
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            return self._refuse(path, size, exc)
+            self._refuse(path, size, exc)
+            return None
         try:
             os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size)
         except OSError as exc:
             self._unlink(path)
-            return self._refuse(path, size, exc)
+            self._refuse(path, size, exc)
+            return None
         finally:
             os.close(fd)
         return _Slab(name, path, mapping, ctypes.addressof(ctypes.c_char.from_buffer(mapping)))
@@ -298,4 +302,3 @@ class SessionSlabs:
         self._refused = True
         log.warning("cannot make a shared-memory slab of %d MB at %s (%s): this client's batches go through "
                     "the socket", size >> 20, path, exc.strerror or exc)
-        return None

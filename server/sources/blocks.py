@@ -251,7 +251,7 @@ class UnitSource(BatchSource):
     def iter_batches(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
         on_loss: Callable[[str], None] | None = None,
-        history: Sequence[tuple[int, int]] = (),
+        history: Sequence[tuple[int, ...]] = (),
     ) -> Batches:
         """Batches ``start…`` of an epoch for a rank. With ``--on-bad-shard skip`` a unit that
         cannot be read is left out of its batches (which come out shorter) and ``on_loss`` is
@@ -263,7 +263,7 @@ class UnitSource(BatchSource):
     def iter_steps(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
         on_loss: Callable[[str], None] | None = None,
-        history: Sequence[tuple[int, int]] = (),
+        history: Sequence[tuple[int, ...]] = (),
     ) -> Steps:
         """``iter_batches``, with a ``Waiting`` yielded before a gather whose units are still
         being decoded: a serving loop that prepares batches on its own thread serves its other
@@ -272,7 +272,7 @@ class UnitSource(BatchSource):
 
     def _steps(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
-        on_loss: Callable[[str], None] | None, history: Sequence[tuple[int, int]], *, cooperative: bool,
+        on_loss: Callable[[str], None] | None, history: Sequence[tuple[int, ...]], *, cooperative: bool,
     ) -> Steps:
         plan = self._plan(split, epoch)
         order = remaining_order(plan.order, history, self.batch_size) if history else plan.order

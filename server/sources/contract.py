@@ -108,20 +108,21 @@ class BatchSource(abc.ABC):
     @abc.abstractmethod
     def iter_batches(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
-        on_loss: Callable[[str], None] | None = None, history: Sequence[tuple[int, int]] = (),
+        on_loss: Callable[[str], None] | None = None, history: Sequence[tuple[int, ...]] = (),
     ) -> Batches:
         """Batches ``start, start + 1, …`` of one epoch for one rank, then stop.
 
         Args:
             on_loss: hears of data the source had to leave out, in words.
             history: the segments of this epoch already run at other world sizes, as
-                ``(world_size, batches)`` pairs (``fuelline.server.sources.ordering.remaining_order``);
+                ``(world_size, batches[, stride, extra])`` (``Hello.history``,
+                ``fuelline.server.sources.ordering.remaining_order``);
                 a source that cannot resume on another world size raises ``DataError`` for any.
         """
 
     def iter_steps(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
-        on_loss: Callable[[str], None] | None = None, history: Sequence[tuple[int, int]] = (),
+        on_loss: Callable[[str], None] | None = None, history: Sequence[tuple[int, ...]] = (),
     ) -> Steps:
         """``iter_batches``, with a ``Waiting`` yielded wherever the next batch is not ready
         instead of waiting for it. A ``cooperative`` source overrides it; this default waits."""

@@ -92,7 +92,7 @@ class ContentDigest:
         for a in arrays:
             a = np.ascontiguousarray(a)
             self._h.update(f"{a.dtype.str}{a.shape}".encode())
-            self._h.update(a.reshape(-1).view(np.uint8))
+            self._h.update(a.reshape(-1).view(np.uint8).data)
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()

@@ -22,7 +22,7 @@ writes to afterwards can say so with ``fresh_arrays=True`` and be served from th
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -171,7 +171,7 @@ class FuelStreamSource(BatchSource):
     def iter_batches(
         self, split: str, epoch: int, rank: int, world_size: int, start: int, sources: tuple[str, ...],
         on_loss: Callable[[str], None] | None = None,
-        history: object = (),
+        history: Sequence[tuple[int, ...]] = (),
     ) -> Batches:
         if history:
             raise DataError(

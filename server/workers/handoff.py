@@ -150,7 +150,7 @@ def write_arrays(path: str, arrays: Mapping[str, Any]) -> tuple[Layout, int]:
     try:
         os.posix_fallocate(fd, 0, size)
         for offset, a in parts:
-            data = memoryview(a.reshape(-1).view(np.uint8))
+            data = a.reshape(-1).view(np.uint8).data
             while len(data):  # (a write may be partial: Linux caps one at about 2 GiB)
                 done = os.pwrite(fd, data, offset)
                 data, offset = data[done:], offset + done

@@ -51,14 +51,12 @@ from fuelline.protocol import DataError
 from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.workers import handoff
 from fuelline.server.workers.supervision import (
-    CRASH_SIGNALS as CRASH_SIGNALS,  # (re-exported: it was defined here)
     WorkerError,
     WorkerPoolBroken,
     WorkerSupervision,
     _fail,
     _Task,
     _Worker,
-    describe_exit as describe_exit,
 )
 
 __all__ = ["WorkerPool", "WorkerError", "WorkerPoolBroken"]
@@ -215,9 +213,9 @@ class WorkerPool(WorkerSupervision):
             while not self._closed and self._broken is None:
                 self._dispatch()
                 watched: dict[Any, _Worker | None] = {self._wake_r: None}
-                for w in self._workers:
-                    watched[w.conn] = w
-                    watched[w.process.sentinel] = w
+                for worker in self._workers:
+                    watched[worker.conn] = worker
+                    watched[worker.process.sentinel] = worker
                 for obj in wait(list(watched), timeout=self.POLL):
                     w = watched[obj]
                     if w is None:
