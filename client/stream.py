@@ -284,9 +284,6 @@ class ServerDataStream:
     def __iter__(self) -> Iterator[Any]:
         return self.get_epoch_iterator()
 
-    def next_epoch(self, as_dict: bool = False) -> Iterator[Any]:
-        return self.get_epoch_iterator(as_dict)
-
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The position: the next batch this reader has not yet handed out, and the sequence

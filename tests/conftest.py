@@ -1,6 +1,7 @@
 """Fixtures: datasets, real server processes on ephemeral ports (with a readiness handshake and
 deadlines, stopped with SIGTERM at teardown), ZeroMQ contexts whose sockets are closed, worker
-pools. The helpers behind them are in tests/support/."""
+pools, and a watcher that fails the run if any process a test started outlives the session. The
+helpers behind them are in tests/support/."""
 
 from __future__ import annotations
 
@@ -20,7 +21,15 @@ from fuelline.server.ingest.synth import synthesize
 from fuelline.server.sources.sample import write_sample_dataset
 from fuelline.server.workers.pool import WorkerPool
 
+from support import strays
 from support.processes import ServerProcess
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Every process a test starts is found and, if still running when the session ends, killed
+    # and reported as a failure (tests/support/strays.py).
+    if not config.pluginmanager.is_registered(strays):
+        config.pluginmanager.register(strays, "fuelline-strays")
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ from fuelline.protocol import DataError
 from fuelline.server.ingest import convert as convert_module
 from fuelline.server.ingest.convert import assign_splits, convert
 from fuelline.server.ingest.rawformat import CHANNELS, RawDataset, RawRecording
+from fuelline.server.ingest.synth import synthesize
 from fuelline.server.multimodal.manifest import EEG_CHANNELS, EMOTIONS, MODALITIES, Manifest
 
 VIDEO_DIM = 3
@@ -118,10 +119,9 @@ def read_recording(dataset: Path, placement) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> tuple[Path, Path, Manifest]:
-    synth = pytest.importorskip("fuelline.server.ingest.synth")
     base = tmp_path_factory.mktemp("synth")
     raw, dataset = base / "raw", base / "ds"
-    synth.synthesize(str(raw), 12, 4.0, seed=3, video_dim=8)
+    synthesize(str(raw), 12, 4.0, seed=3, video_dim=8)
     manifest = convert(str(raw), str(dataset), val_fraction=0.25, seed=1, recordings_per_shard=5, progress=False)
     return raw, dataset, manifest
 
@@ -196,7 +196,6 @@ def test_stats_equal_numpy_over_the_train_split(converted) -> None:
 
 
 def test_cli_converts_a_synth_run_and_prints_the_compression_ratio(tmp_path: Path) -> None:
-    pytest.importorskip("fuelline.server.ingest.synth")
     raw, dataset = tmp_path / "raw", tmp_path / "ds"
     assert cli("synth", str(raw), "--recordings", "3", "--seconds", "3", "--seed", "0").returncode == 0
     result = cli("convert", str(raw), str(dataset), "--val-fraction", "0", "--recordings-per-shard", "2")

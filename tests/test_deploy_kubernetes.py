@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-import pytest
-
 from support.deploy import (
     KUBERNETES,
     Command,
@@ -302,9 +300,9 @@ def test_kubernetes_convert_parts_cover_the_dataset_and_the_finish_fits_them():
 
 
 def test_trainers_present_keys_to_curve_servers():
-    if not trainer_accepts_curve_keys():
-        pytest.skip("fuelline.trainer has no --curve-keys: trainers cannot read servers that use CURVE "
-                    "(deploy/kubernetes/README.md, 'CURVE and the trainer')")
+    # A trainer without --curve-keys cannot read a CURVE server: that is a failure, never a skip.
+    assert trainer_accepts_curve_keys(), ("fuelline.trainer has no --curve-keys: trainers cannot read servers "
+                                          "that use CURVE (deploy/kubernetes/README.md, 'CURVE and the trainer')")
     compose_servers = {name: s.command for name, s in compose_services().items() if s.command.serves}
     for service in compose_services().values():
         if service.command.trainer is not None:

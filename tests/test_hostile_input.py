@@ -182,11 +182,23 @@ def hello_flood(ctx: zmq.Context, endpoint: str, failures: list[str]) -> None:
                 break
         if len(welcomed) != 200:
             failures.append(f"re-Hello flood: {len(welcomed)} of 200 Hellos on one connection welcomed")
-        # What followed the Welcomes: batches up to hwm, heartbeats, and never an Error (a Hello
-        # the producer could not serve would show up here as "internal").
-        time.sleep(0.5)
+        # What follows a Welcome is batches (up to hwm), heartbeats, and never an Error: a Hello
+        # the producer could not serve shows up as "internal". Each peer waits for its first batch
+        # (of its last session, on the one connection): the proof that the producer served it.
+        deadline = time.monotonic() + 2 * REPLY_WAIT
         for i, peer in enumerate([*peers, one]):
-            while (msg := peer.reply(0)) is not None:
+            stream = 199 if peer is one else None
+            while True:
+                msg = peer.reply(max(0.0, deadline - time.monotonic()))
+                if msg is None:
+                    failures.append(f"flood peer {i}: no batch within {2 * REPLY_WAIT:.0f}s of its Welcome")
+                    break
+                if isinstance(msg, Error):
+                    failures.append(f"flood peer {i}: after its Welcome, {msg!r:.300}")
+                    break
+                if isinstance(msg, Batch) and stream in (None, msg.stream):
+                    break
+            while (msg := peer.reply(0)) is not None:  # (and what came with it: no Error either)
                 if isinstance(msg, Error):
                     failures.append(f"flood peer {i}: after its Welcome, {msg!r:.300}")
     finally:

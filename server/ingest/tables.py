@@ -46,9 +46,9 @@ import pyarrow.parquet as pq
 
 from fuelline.protocol import DataError, OptionError
 from fuelline.protocol.common.atomic import atomic_directory
-from fuelline.server.sources.parquet import TABLE_METADATA_KEY as METADATA_KEY
+from fuelline.server.sources.parquet import TABLE_METADATA_KEY
 
-__all__ = ["write_dataset", "read_input", "TableSummary", "ROW_GROUP_BYTES", "METADATA_KEY", "parse_group"]
+__all__ = ["write_dataset", "read_input", "TableSummary", "ROW_GROUP_BYTES", "parse_group"]
 
 ROW_GROUP_BYTES = 2 << 20  # decoded bytes of a row group: a block of 8 is 16 MB a client
 MIN_GROUP_ROWS, MAX_GROUP_ROWS = 256, 1 << 17
@@ -463,7 +463,7 @@ def _write_split(table: pa.Table, folder: str, rows_per_group: int, metadata: di
         if "label" in meta:
             values, counts = np.unique(part.column(meta["label"]).to_numpy(), return_counts=True)
             meta["counts"] = {str(int(v)): int(n) for v, n in zip(values, counts)}
-        part = part.replace_schema_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True).encode()})
+        part = part.replace_schema_metadata({TABLE_METADATA_KEY: json.dumps(meta, sort_keys=True).encode()})
         pq.write_table(part, os.path.join(folder, f"part-{files:05d}.parquet"), row_group_size=rows_per_group,
                        compression=COMPRESSION, use_dictionary=False, write_statistics=False)
         files += 1

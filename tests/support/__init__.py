@@ -9,4 +9,5 @@ fixtures live in conftest.py.
 - ``metrics``: scraping a server's Prometheus endpoint
 - ``trainer``, ``onebit``: torchrun launches, process groups for the 1-bit hook
 - ``deploy``: the deploy files' command lines, read as a shell would
+- ``strays``: the plugin that kills, and fails the run for, processes a test left running
 """
