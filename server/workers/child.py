@@ -1,13 +1,12 @@
 """The body of a worker process of ``fuelline.server.workers.pool.WorkerPool``.
 
-A worker unpickles its copy of the source, says it is ready, then answers one task at a time:
-``(task id, split, unit, columns, path)``. It decodes the unit and writes the arrays to ``path``
-(``fuelline.server.workers.handoff``), answering ``("done", task id, written, layout, counts)``. When the
-file cannot be written (no hand-off folder: ``path`` None; a full /dev/shm; any OSError), the
-arrays themselves go through the pipe: ``("inline", task id, arrays, why, counts)``; a server
-short of shared memory is slower, never failing. A failure is ``("failed", task id, is a
-DataError, message, type name, traceback, counts)``. ``counts`` are the source counters' increments
-since the last answer.
+A worker unpickles its copy of the source, says it is ready, then answers one ``Task`` at a
+time (the messages: ``fuelline.server.workers.messages``). It decodes the unit and writes the
+arrays to the task's path (``fuelline.server.workers.handoff``), answering ``Done``. When the file
+cannot be written (no hand-off folder: path None; a full /dev/shm; any OSError), the arrays
+themselves go through the pipe: ``Inline``; a server short of shared memory is slower, never
+failing. A failure is ``Failed``. Each answer carries the source counters' increments since the
+last answer.
 """
 
 from __future__ import annotations
@@ -22,10 +21,12 @@ import threading
 import time
 import traceback
 from collections import Counter
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from fuelline.protocol import DataError
 from fuelline.server.workers import handoff
+from fuelline.server.workers.messages import Answer, Done, Failed, Inline, Ready, SetupFailed, Task
 
 __all__ = ["worker_main"]
 
@@ -86,14 +87,14 @@ def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, l
         source = pickle.loads(payload)
     except BaseException:
         try:
-            conn.send(("setup_failed", traceback.format_exc()))
+            conn.send(SetupFailed(traceback.format_exc()))
         except (OSError, EOFError):
             _server_gone(parent_pid, paths, folder)
         return
     threading.Thread(target=_watch_parent, args=(parent_pid, paths, folder), name="parent-watch", daemon=True).start()
     seen = Counter(source.counters)
     try:
-        conn.send(("ready",))
+        conn.send(Ready())
     except (OSError, EOFError):
         # Killed while this worker was still starting: it has nobody to be ready for.
         _server_gone(parent_pid, paths, folder)
@@ -114,19 +115,20 @@ def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, l
                 # only if no live pool holds its lock, so a server that lives keeps it.
                 _server_gone(parent_pid, paths, folder)
             return
-        task_id, split, u, columns, path = message
-        paths[0] = path
+        task: Task = message
+        paths[0] = task.path
         if task_timeout is not None:
             # The watchdog: past the limit, every thread's traceback goes to stderr and the
             # process exits (code 1); the pool sees a death and names the unit.
             faulthandler.dump_traceback_later(task_timeout, exit=True, file=sys.stderr)
+        reply: Answer
         try:
-            arrays = source.decode_unit(split, u, columns)
-            reply = _hand_over(task_id, path, arrays)
-            paths[1] = path if reply[0] == "done" and reply[2] else None
+            arrays = source.decode_unit(task.split, task.unit, task.columns)
+            reply = _hand_over(task.id, task.path, arrays)
+            paths[1] = task.path if isinstance(reply, Done) and reply.written else None
         except Exception as exc:
-            handoff.unlink(path)
-            reply = ("failed", task_id, isinstance(exc, DataError), str(exc), type(exc).__name__, traceback.format_exc())
+            handoff.unlink(task.path)
+            reply = Failed(task.id, isinstance(exc, DataError), str(exc), type(exc).__name__, traceback.format_exc())
         finally:
             if task_timeout is not None:
                 faulthandler.cancel_dump_traceback_later()
@@ -135,7 +137,7 @@ def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, l
         counts = {k: v - seen[k] for k, v in now.items() if v != seen[k]}
         seen = Counter(now)
         try:
-            conn.send((*reply, counts))
+            conn.send(replace(reply, counts=counts))
         except (OSError, EOFError):
             # The server went while this task ran: as when the pipe breaks between tasks (above).
             # (A worker busy when its server is killed comes here, not there; returning at once,
@@ -144,17 +146,17 @@ def worker_main(index: int, payload: bytes, conn: Connection, parent_pid: int, l
             return
 
 
-def _hand_over(task_id: int, path: str | None, arrays: dict) -> tuple:
+def _hand_over(task_id: int, path: str | None, arrays: dict) -> Done | Inline:
     """The answer for decoded ``arrays``: written to ``path``, or, if that fails, the arrays."""
     if path is None:
         why = "no hand-off folder"
     else:
         try:
             layout, size = handoff.write_arrays(path, arrays)
-            return ("done", task_id, size > 0, layout)
+            return Done(task_id, size > 0, layout)
         except OSError as exc:
             why = f"writing {path}: {exc}"
     for name, a in arrays.items():  # (the pipe pickles: refuse what the file would have refused)
         if getattr(a, "dtype", None) is not None and a.dtype.hasobject:
             raise TypeError(f"array {name!r} has dtype {a.dtype}, which holds Python objects")
-    return ("inline", task_id, arrays, why)
+    return Inline(task_id, arrays, why)

@@ -50,6 +50,7 @@ from typing import Any, Sequence
 from fuelline.protocol import DataError
 from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.workers import handoff
+from fuelline.server.workers.messages import Done, FromWorker, Inline, Ready, SetupFailed, Task
 from fuelline.server.workers.supervision import (
     WorkerError,
     WorkerPoolBroken,
@@ -259,7 +260,7 @@ class WorkerPool(WorkerSupervision):
             if log.isEnabledFor(logging.DEBUG):  # (before the hand-out: the worker may answer first)
                 log.debug("%s: decoding %s", w.name, self._describe(task))
             try:
-                w.conn.send((task.id, task.split, task.unit, task.columns, task.path))
+                w.conn.send(Task(task.id, task.split, task.unit, task.columns, task.path))
             except OSError:
                 with self._lock:
                     self._queue.appendleft(task)  # it never reached the worker: not its fault
@@ -274,53 +275,49 @@ class WorkerPool(WorkerSupervision):
             return
         self._handle(w, message)
 
-    def _handle(self, w: _Worker, message: tuple) -> None:
-        kind = message[0]
-        if kind == "ready":
+    def _handle(self, w: _Worker, message: FromWorker) -> None:
+        if isinstance(message, Ready):
             w.ready = True
             return
-        if kind == "setup_failed":
-            self._break(f"{w.name} could not set up its copy of the source:\n{message[1]}")
+        if isinstance(message, SetupFailed):
+            self._break(f"{w.name} could not set up its copy of the source:\n{message.traceback}")
             return
         task, w.task = w.task, None
-        if task is None or task.id != message[1]:
-            log.error("%s answered a task it was not given: %r", w.name, message[:2])
+        if task is None or task.id != message.task_id:
+            log.error("%s answered a task it was not given: %r", w.name, message.task_id)
             return
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: done with %s", w.name, self._describe(task))
-        counts = message[-1]
-        if counts:
-            self.source.counters.add_all(counts)
+        if message.counts:
+            self.source.counters.add_all(message.counts)
         self.source.counters.add("worker_tasks")
-        if kind == "done":
-            _, _, written, layout, _ = message
+        if isinstance(message, Done):
             try:
-                arrays = handoff.map_arrays(task.path if written else None, layout)
+                arrays = handoff.map_arrays(task.path if message.written else None, message.layout)
             except Exception as exc:
                 _fail(task.future, WorkerError(f"{self._describe(task)}: cannot map the decoded arrays: {exc}"))
             else:
                 _resolve(task.future, arrays)
-            return
-        if kind == "inline":
-            _, _, arrays, why, _ = message
-            if not self._piped:
-                self._piped = True
-                log.warning(
-                    "%s: no room for hand-off files (%s); decoded units come through the worker processes' "
-                    "pipes instead, which is slower: give %s more room (docker --shm-size, a memory-backed "
-                    "emptyDir) or set %s", w.name, why, self._dir, handoff.ENV_DIR,
-                )
-            for a in arrays.values():
-                a.setflags(write=False)  # (as mapped ones are: batches cut from them go out zero-copy)
-            _resolve(task.future, arrays)
-            return
-        _, _, data_error, text, type_name, tb, _ = message
-        if data_error:
-            _fail(task.future, DataError(text))
-            return
-        error = WorkerError(f"{self._describe(task)}: {type_name}: {text} (in {w.name})")
-        error.__cause__ = RemoteTraceback(tb)
-        _fail(task.future, error)
+        elif isinstance(message, Inline):
+            self._inline(w, task, message)
+        elif message.data_error:
+            _fail(task.future, DataError(message.message))
+        else:
+            error = WorkerError(f"{self._describe(task)}: {message.type_name}: {message.message} (in {w.name})")
+            error.__cause__ = RemoteTraceback(message.traceback)
+            _fail(task.future, error)
+
+    def _inline(self, w: _Worker, task: _Task, message: Inline) -> None:
+        if not self._piped:
+            self._piped = True
+            log.warning(
+                "%s: no room for hand-off files (%s); decoded units come through the worker processes' "
+                "pipes instead, which is slower: give %s more room (docker --shm-size, a memory-backed "
+                "emptyDir) or set %s", w.name, message.why, self._dir, handoff.ENV_DIR,
+            )
+        for a in message.arrays.values():
+            a.setflags(write=False)  # (as mapped ones are: batches cut from them go out zero-copy)
+        _resolve(task.future, message.arrays)
 
     def _describe(self, task: _Task) -> str:
         try:

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from fuelline.protocol import DataError, WorkerError
 from fuelline.server.workers import handoff
 from fuelline.server.workers.child import worker_main
+from fuelline.server.workers.messages import FromWorker
 
 __all__ = ["CRASH_SIGNALS", "WorkerError", "WorkerPoolBroken", "WorkerSupervision", "describe_exit"]
 
@@ -97,7 +98,7 @@ class WorkerSupervision:
     _poisoned: dict[tuple[str, int], str]
     _closed: bool
 
-    def _handle(self, w: _Worker, message: tuple) -> None:
+    def _handle(self, w: _Worker, message: FromWorker) -> None:
         raise NotImplementedError
 
     def _describe(self, task: _Task) -> str:
