@@ -232,3 +232,15 @@ def test_stream_reports_what_the_servers_left_out_each_epoch(sample_dataset: Pat
     said = [line for line in text.stdout.splitlines() if "left out" in line]
     assert len(said) == 2 and all(f"1 shard at start-up ({truncated})" in x and "500 rows" in x for x in said), \
         text.stdout
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly(sample_dataset: Path) -> None:
+    """``fuelline inspect DATA | head -0``: the reader has closed the pipe before the command
+    writes; the command ends with status 0 and no traceback, as Unix tools do."""
+    proc = subprocess.Popen([sys.executable, "-m", "fuelline.server.cli", "inspect", str(sample_dataset), "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.close()  # (before the interpreter has even started: every write meets a closed pipe)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()

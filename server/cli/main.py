@@ -8,6 +8,7 @@ Subcommands, one module each: ``serve`` and ``sample`` (this package), ``stream`
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Sequence
 
@@ -82,6 +83,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Ctrl-C is how a person stops `fuelline stream`: one line, and the shell's 128 + SIGINT.
         print(f"fuelline {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # Read by something that stopped reading (`fuelline inspect DATA | head`): what it did not
+        # read is not an error. Point stdout at nothing, so that the flush at exit is quiet too.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
