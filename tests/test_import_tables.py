@@ -224,3 +224,32 @@ def test_the_trainer_takes_the_label_and_its_classes_the_dataset_names(tmp_path:
 
     assert class_facts(info, None, no_scan, "kind") == (("a", "b", "c"), 3, [15, 15, 15])
     assert class_facts(info, None, lambda: 7, "x")[:2] == (None, 7)
+
+
+def test_label_metadata_that_lies_is_ignored_and_never_stops_the_server(tmp_path: Path) -> None:
+    """A file whose footer carries our key with nonsense (counts that are not numbers, classes
+    that are not a list, not JSON at all) is served as if it had none: the label facts are bad
+    input to leave out, not a reason to refuse the dataset."""
+    table = pa.table({"x": np.arange(10.0), "y": np.arange(10) % 2})
+    lies = [b'{"label": "y", "counts": {"cat": 1}}', b'{"label": "y", "classes": "ab", "counts": {"0": 5}}',
+            b'{"label": 7}', b"not json", b'[1, 2]', b'{"label": "y", "counts": {"0": "many"}}',
+            b'{"label": "y", "counts": {"999999999999": 1}}']
+    for i, lie in enumerate(lies):
+        folder = tmp_path / f"d{i}" / "train"
+        folder.mkdir(parents=True)
+        pq.write_table(table.replace_schema_metadata({b"fuelline.table": lie}), folder / "part.parquet")
+        info = ParquetSource(str(tmp_path / f"d{i}")).info("train")
+        assert "class_names" not in info, (lie, info)
+        assert info.get("class_counts") in (None, {"999999999999": 1}), (lie, info)
+
+
+def test_a_label_of_many_classes_still_lets_clients_connect(tmp_path: Path, start_serve) -> None:
+    """A label with 20,000 string classes (an id column taken for a label): its names and counts
+    would not fit a Welcome's header limit, so the server leaves them out of its info, and a
+    client is welcomed and reads."""
+    frame = pd.DataFrame({"x": np.arange(20_000.0), "who": [f"person-{i:05d}" for i in range(20_000)]})
+    write_dataset(frame, tmp_path / "d", label="who", val_fraction=0)
+    server = start_serve(tmp_path / "d", "--batch-size", "500")
+    got = read_split(server.port, "train", ("x", "who"))
+    assert len(got["x"]) == 20_000
+    assert "class_names" not in got["_info"] and got["_info"]["label"] == "who"

@@ -51,21 +51,35 @@ DEFAULT_SPLIT = "train"
 TABLE_METADATA_KEY = b"fuelline.table"
 
 
+# Class facts are left out of a split's info beyond this many bytes of JSON: a client's Welcome
+# header (at most 64 KiB) must hold them with the rest, and a label of so many classes is most
+# likely an id.
+MAX_CLASS_FACTS_BYTES = 16 * 1024
+
+
 def _table_facts(meta: Any) -> dict[str, Any] | None:
-    """What ``fuelline import`` wrote into one file's footer, or None."""
+    """What ``fuelline import`` wrote into one file's footer, or None where there is nothing of
+    that shape (a file is bad input: its facts are left out, never a reason to refuse it)."""
     raw = (meta.metadata or {}).get(TABLE_METADATA_KEY)
     try:
         said = json.loads(raw) if raw is not None else None
     except ValueError:
         return None
-    return said if isinstance(said, dict) and "label" in said else None
+    if not isinstance(said, dict) or not isinstance(said.get("label"), str):
+        return None
+    classes, counts = said.get("classes"), said.get("counts", {})
+    if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+        return None
+    counts_ok = isinstance(counts, dict) and all(
+        isinstance(k, str) and k.isdigit() and type(n) is int and n >= 0 for k, n in counts.items())
+    return said if counts_ok else None
 
 
 def _summed_counts(described: list[dict[str, Any]]) -> dict[int, int]:
     counts: dict[int, int] = {}
     for d in described:
-        for key, n in (d.get("counts") or {}).items():
-            counts[int(key)] = counts.get(int(key), 0) + int(n)
+        for key, n in d.get("counts", {}).items():
+            counts[int(key)] = counts.get(int(key), 0) + n
     return counts
 
 
@@ -82,12 +96,14 @@ def label_classes(metadata: Sequence[Any]) -> dict[str, Any]:
         return {}
     counts = _summed_counts(described)
     names = first.get("classes")
-    if names is None and counts and sorted(counts) == list(range(max(counts) + 1)):
-        names = [str(c) for c in range(max(counts) + 1)]
+    if names is None and counts and max(counts) == len(counts) - 1:  # (distinct keys >= 0: exactly 0..C-1)
+        names = [str(c) for c in range(len(counts))]
     if names is None:
-        return {"label": first["label"], "class_counts": {str(c): n for c, n in sorted(counts.items())}}
-    return {"label": first["label"], "class_names": list(names),
-            "class_counts": {name: counts.get(i, 0) for i, name in enumerate(names)}}
+        facts = {"label": first["label"], "class_counts": {str(c): n for c, n in sorted(counts.items())}}
+    else:
+        facts = {"label": first["label"], "class_names": list(names),
+                 "class_counts": {name: counts.get(i, 0) for i, name in enumerate(names)}}
+    return facts if len(json.dumps(facts)) <= MAX_CLASS_FACTS_BYTES else {"label": first["label"]}
 
 
 def _parquet_files(store: Store, folder: str) -> list[str]:
