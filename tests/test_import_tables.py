@@ -192,6 +192,11 @@ def test_fuelline_import_from_csv_then_inspect_says_what_will_be_served(tmp_path
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == ["fuelline import: error: --group image: 64 columns do not make shape 8x9"]
     assert not (tmp_path / "bad").exists()
+    typo = subprocess.run([*fuelline, "import", str(csv), str(tmp_path / "typo"), "--label", "tagret"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert typo.returncode == 2
+    assert typo.stderr.strip().splitlines() == [
+        "fuelline import: error: --label input has no column 'tagret' (did you mean 'target'?)"]
 
 
 def test_a_dict_of_numpy_arrays_keeps_each_arrays_shape(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ succeeded). Nothing here imports pandas or ``datasets``: they are recognised by 
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import glob
 import json
@@ -239,16 +240,24 @@ def parse_group(text: str) -> tuple[str, str, tuple[int, ...] | None]:
     return name, pattern, shape
 
 
+def _columns_hint(names: Sequence[str], wanted: str) -> str:
+    """``did you mean 'target'?`` where a column is close to ``wanted``, else the first columns."""
+    close = difflib.get_close_matches(wanted, names, n=3)
+    if close:
+        return "did you mean " + " or ".join(repr(c) for c in close) + "?"
+    return f"columns: {', '.join(names[:12])}{', …' if len(names) > 12 else ''}"
+
+
 def _matching(names: Sequence[str], pattern: str | Sequence[str]) -> list[str]:
     if not isinstance(pattern, str):
         missing = [p for p in pattern if p not in names]
         if missing:
-            raise OptionError("group", f"no column {missing[0]!r} (columns: {', '.join(names[:12])}…)")
+            raise OptionError("group", f"no column {missing[0]!r} ({_columns_hint(names, missing[0])})")
         return list(pattern)
     parts = [p for p in pattern.split(",") if p]
     found = [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in parts)]
     if not found:
-        raise OptionError("group", f"{pattern!r} matches no column (columns: {', '.join(names[:12])}…)")
+        raise OptionError("group", f"{pattern!r} matches no column ({_columns_hint(names, pattern)})")
     return found
 
 
@@ -416,7 +425,7 @@ def _servable(table: pa.Table, where: str, label: str | None, drop: Sequence[str
         else:
             columns[name] = _narrowed(_numbers(column, name, where), float64)
     if label is not None and label not in columns:
-        raise OptionError("label", f"{where} has no column {label!r} (columns: {', '.join(table.column_names)})")
+        raise OptionError("label", f"{where} has no column {label!r} ({_columns_hint(table.column_names, label)})")
     return pa.table(columns), dropped, classes
 
 
