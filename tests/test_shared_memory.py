@@ -14,7 +14,7 @@ import msgpack
 import numpy as np
 import pytest
 
-import fuelline.client.receiving as receiving
+import fuelline.client.connection as connection
 from fuelline.client import ServerDataStream
 from fuelline.client.slabs import ClientSlabs
 from fuelline.protocol import VERSION, ArrayMeta, Credit, ProtocolError, decode, encode
@@ -209,7 +209,7 @@ def test_a_slab_that_cannot_be_mapped_sends_the_client_back_to_the_socket(
 ) -> None:
     expected = epoch(server, shared_memory=False)
     # As if the server's folder were out of this client's reach (another mount namespace).
-    monkeypatch.setattr(receiving, "ClientSlabs", lambda folder: ClientSlabs(str(tmp_path / "elsewhere")))
+    monkeypatch.setattr(connection, "ClientSlabs", lambda folder: ClientSlabs(str(tmp_path / "elsewhere")))
     with caplog.at_level(logging.WARNING, logger="fuelline.client"):
         got = epoch(server)
     assert_same(got, expected)
