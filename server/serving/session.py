@@ -60,6 +60,7 @@ class Session:
             client is dropped after 3 intervals, so this bounds how long a mute one is kept.
         slabs: where to place its batches in shared memory (a local client that asked for it),
             or None: every batch goes over the socket.
+        clock: the time, in seconds (the serving core's).
     """
 
     def __init__(
@@ -77,6 +78,7 @@ class Session:
         peer: str = "local",
         max_heartbeat: float = 3600.0,
         slabs: SessionSlabs | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.routing_id = routing_id
         self.hello = hello
@@ -89,7 +91,8 @@ class Session:
         self.in_flight = 0
         self.granted = self.credit > 0  # the client has made room for a batch at least once
         self.client_heartbeat = min(hello.heartbeat, max_heartbeat)
-        self.created = self.last_heard = self.last_sent = time.monotonic()
+        self._clock = clock
+        self.created = self.last_heard = self.last_sent = clock()
         self.last_granted = self.created  # (a Hello's credit is granted as it arrives; see stalled_for)
         self.sent_batches = 0
         # Since when the peer's send queue has been full (libzmq's SNDHWM), with items waiting
@@ -193,7 +196,7 @@ class Session:
         Raises:
             ProtocolError: credit no honest client could grant (the session must end).
         """
-        self.last_granted = time.monotonic()
+        self.last_granted = self._clock()
         if not self.granted:
             self._unsent_allowed = max(self._unsent_allowed, n)
             self.credit = min(n, self.hwm - self.in_flight)
@@ -229,7 +232,7 @@ class Session:
                     for future in step.futures:
                         future.add_done_callback(self._decoded)
                     return
-                if time.monotonic() >= until:
+                if self._clock() >= until:
                     return
 
     def _decoded(self, _future: Future) -> None:
