@@ -157,6 +157,7 @@ class Link:
         # Credit a Hello over TCP held back until its Welcome says whether this client moves to
         # the server's Unix socket (see _hello).
         self._withheld = 0
+        self._granted = 0  # credit sent since the last Hello, its own included (see Heartbeat.sent)
         self._credit_group = max(1, hwm // 4)
         self._connected = False
         self._awaiting_welcome = False
@@ -326,7 +327,9 @@ class Link:
         # A new generation per Hello: batches of a session this Hello replaces are told apart.
         self._gen += 1
         self._pending_credit = 0  # the Hello's credit (hwm - undelivered) includes it
-        self._send(self._hello())
+        hello = self._hello()
+        self._granted = hello.credit
+        self._send(hello)
         self._hello_sent = self._clock()
         self._received = 0
         self._awaiting_welcome = True
@@ -358,6 +361,7 @@ class Link:
         if (self._pending_credit and (self._pending_credit >= group or not self._items)) or (
                 slabs is not None and len(slabs.released) >= max(group, 2)):
             self._send(Credit(self._pending_credit, slabs.take_released() if slabs is not None else ()))
+            self._granted += self._pending_credit
             self._pending_credit = 0
 
     def _given_up(self, now: float) -> bool:
@@ -395,7 +399,8 @@ class Link:
             self.retry_at = now + backoff_delay(self._backoff, self._jitter)
             self._backoff = min(self._backoff * 2, self.BACKOFF_MAX)
         elif now - self._last_sent >= self._heartbeat:
-            self._send(Heartbeat())
+            # With the credit granted so far: the server makes good what it never received.
+            self._send(Heartbeat(stream=self._gen, sent=self._granted))
 
     # -- each message ------------------------------------------------------------------------------
     def _out_of_order(self, what: str, where: tuple[int, int]) -> None:
@@ -496,6 +501,7 @@ class Link:
         elif self._withheld:
             # Staying on TCP (another host, no socket offered): the credit the Hello held back.
             self._send(Credit(self._withheld))
+            self._granted += self._withheld
             self._withheld = 0
 
     def _same_sequence(self, msg: Welcome) -> bool:

@@ -298,7 +298,11 @@ class Heartbeat:
     ``stream`` so far. Messages of one connection arrive in order, so a client that has received
     fewer of that stream lost some in transit (a connection reset, which libzmq reconnects
     silently) and asks again from its position, instead of waiting for batches that never come.
-    Both are None from a client (and from servers that do not count).
+    A client's heartbeat says how much credit it granted (``sent``: batches, all told, in its
+    Hello of stream ``stream`` and the Credits after it): a server that received less lost some
+    Credits in transit the same way, and makes good the difference, instead of waiting for credit
+    that never comes while the client waits for batches. Both are None from servers that do not
+    count and from clients that do not say.
     """
 
     TYPE: ClassVar[str] = "heartbeat"

@@ -59,3 +59,33 @@ def test_credit_goes_back_from_the_keepalive_thread_while_the_consumer_trains(
     assert [c for who, c in during if who == consumer] == [], "the consumer's thread sent credit"
     assert sum(c for _, c in during) == 4, during  # all of it, from the keep-alive thread
     assert all(who.startswith("fuelline-keepalive-") for who, _ in during), during
+
+
+def test_credit_lost_in_transit_is_made_good_by_the_clients_heartbeat(
+    sample_dataset: Path, start_serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection reset that libzmq reconnects under the same routing id drops what was queued
+    on the old connection, Credits included. Lose all of a client's credit that way and, without
+    more, both sides wait forever while their heartbeats say all is well: the server for credit,
+    the client for batches. The client's heartbeat says how much credit it granted; the server
+    makes good what never arrived."""
+    hwm = 2
+    lost: list[int] = []
+    losing = threading.Event()  # set once the first batch is taken: credit returned from then on is lost
+    send = Connection._send
+
+    def lossy(self: Connection, msg: object) -> None:
+        if isinstance(msg, Credit) and losing.is_set() and sum(lost) < hwm:
+            lost.append(msg.n)  # (never sent: lost on the wire)
+            return
+        send(self, msg)
+
+    monkeypatch.setattr(Connection, "_send", lossy)
+    server = start_serve(sample_dataset, "--batch-size", "100", "--hwm", str(hwm), "--heartbeat", "0.2")
+    with ServerDataStream(None, port=server.port, hwm=hwm, heartbeat=0.2, timeout=TIMEOUT, receive_timeout=10.0) as stream:
+        batches = stream.get_epoch_iterator()
+        taken = [next(batches)]
+        losing.set()
+        taken += list(batches)
+    assert sum(lost) >= hwm, lost  # every credit the server could have used was lost
+    assert len(taken) == 8000 // 100

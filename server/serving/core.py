@@ -240,6 +240,11 @@ class ServingCore:
                 session.release(msg.released)
                 if msg.n:
                     self._credit(session, msg.n)
+            elif msg.sent is not None and msg.stream == session.hello.stream:
+                lost = session.credit_lost(msg.sent)
+                if lost:
+                    log.warning("client %s: credit for %d batches lost in transit; made good", session.name, lost)
+                    self._credit(session, lost)
         elif isinstance(msg, Bye):
             if session is not None:
                 self._drop(session, f"said bye ({msg.reason})" if msg.reason else "said bye", level=logging.INFO)

@@ -88,6 +88,7 @@ class Session:
         self.hwm = hwm
         # A client whose hwm is larger than the server's asks for more; the server's hwm decides.
         self.credit = min(hello.credit, hwm)
+        self.credit_heard = hello.credit  # credit the client granted, all told (see credit_lost)
         self.in_flight = 0
         self.granted = self.credit > 0  # the client has made room for a batch at least once
         self.client_heartbeat = min(hello.heartbeat, max_heartbeat)
@@ -197,6 +198,7 @@ class Session:
             ProtocolError: credit no honest client could grant (the session must end).
         """
         self.last_granted = self._clock()
+        self.credit_heard += n
         if not self.granted:
             self._unsent_allowed = max(self._unsent_allowed, n)
             self.credit = min(n, self.hwm - self.in_flight)
@@ -211,6 +213,11 @@ class Session:
         self.in_flight = max(0, self.in_flight - n)
         self.credit = min(self.credit + n, self.hwm - self.in_flight)
         self.granted = True
+
+    def credit_lost(self, granted: int) -> int:
+        """Credit the client says it granted (``granted``, in all, in a heartbeat) and that never
+        arrived: lost in transit with a connection libzmq reset and reconnected."""
+        return max(0, granted - self.credit_heard)
 
     def advance(self, until: float) -> None:
         """Inline: prepare batches on this thread (the serving loop's) until ``hwm`` are ready,
