@@ -222,3 +222,31 @@ def test_a_reader_given_up_on_a_server_still_full_asks_again_until_a_place_frees
         [r.getMessage() for r in caplog.records]
     assert reconnects >= 1
     assert _given_up(server.log()) == ["paused", "newcomer"], server.log()[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_job_restarted_at_once_is_not_locked_out_by_the_sessions_of_its_killed_processes(
+    sample_dataset: Path, start_serve, zmq_context
+) -> None:
+    """Four trainers fill a full server's places, read their batches and are killed with their
+    connections open; the job starts again at once. Their sessions have no credit left and the
+    server, with a long heartbeat, would not send them anything for seconds, nor notice their
+    silence for longer: yet the restarted trainer is welcomed at its first Hello, for libzmq knows
+    the old connections are closed and the server asks it before it refuses anyone."""
+    server = start_serve(sample_dataset, "--batch-size", "1000", "--hwm", "2", "--max-clients", "4",
+                         "--max-clients-per-peer", "4", "--heartbeat", "30")
+    killed = [Peer(zmq_context, server.port, source=f"127.0.0.{2 + i}") for i in range(4)]
+    for i, peer in enumerate(killed):
+        peer.send(Hello(f"trainer-{i}", credit=2, heartbeat=30.0))
+        assert isinstance(peer.answer(), Welcome)
+        assert [type(peer.answer()) for _ in range(2)] == [Batch, Batch]
+    for peer in killed:
+        peer.close()  # (what the kernel does with a killed process's sockets: the connections close)
+    restarted = Peer(zmq_context, server.port, source="127.0.0.2")
+    try:
+        restarted.send(Hello("trainer-0-restarted", credit=2, heartbeat=30.0))
+        answer = restarted.answer()
+        assert isinstance(answer, Welcome), answer
+    finally:
+        restarted.close()
+    assert "disconnected" in server.wait_log(r"dropped: disconnected")

@@ -16,7 +16,10 @@ its place however long that takes. Sessions that never granted credit also give 
 a newcomer that grants credit at once, whatever their age (the longest stalled going first), so
 idle connections cannot hold places against working clients even for the grace; to another idle
 newcomer, only once idle for ``grace`` seconds, so idle connections cannot take each other's
-places in a loop either. A session given up is told why (a ``Bye``); its ``ServerDataStream``
+places in a loop either. Before anyone is refused or given up, the sessions whose clients are gone make room: a process
+killed with its connections open leaves its sessions behind until a send finds the connection
+closed or its silence runs out, and a job restarted at once would meet its own ghosts at the caps;
+the serving core asks libzmq first (``ServingCore._gone_found``). A session given up is told why (a ``Bye``); its ``ServerDataStream``
 reconnects at once, and resumes where it was if it finds a place (a free one, or one stalled in
 turn); on a server still full its Hello is refused ``busy`` like any other.
 

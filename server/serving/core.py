@@ -62,6 +62,8 @@ MAX_WAITING_WELCOMES = 2**20
 # Seconds the loop prepares one session's batches before it turns to the next session and its
 # requests (a gather of several batches at once may run past it: 10-20 ms of 4 MB).
 PREPARE_SLICE = 0.005
+# Seconds between probes for sessions whose peers are gone, made when a Hello meets a cap.
+GONE_PROBE_EVERY = 0.1
 # Heartbeat intervals a batch may spend in a user's stage before the server warns (once a stage).
 SLOW_STAGE_BEATS = 3
 
@@ -144,6 +146,7 @@ class ServingCore:
         self.status_interval = status_interval  # seconds between status lines in the log; 0: none
         self._status = StatusLine(status_interval, self._clock())
         self._slow_stages: set[str] = set()  # stages already warned about
+        self._probed_at = float("-inf")  # when sessions were last probed for peers gone (_gone_found)
 
     # -- what the driver supplies ----------------------------------------------------------------
     def _transmit(self, rid: bytes, frames: list[Any]) -> Sent:
@@ -327,6 +330,8 @@ class ServingCore:
         admission names to make room."""
         now = self._clock()
         verdict = self.admission.admit(self.sessions.values(), peer, replaced, now, grants=hello.credit > 0)
+        if (verdict.refusal is not None or verdict.evict is not None) and self._gone_found(now, replaced):
+            verdict = self.admission.admit(self.sessions.values(), peer, replaced, now, grants=hello.credit > 0)
         if verdict.refusal is not None:
             self.stats["refused_busy"] += 1
             self.admission.log_refusal(hello.client_id[:12], peer, verdict.refusal)
@@ -338,6 +343,24 @@ class ServingCore:
             self._drop(gone, f"{why}; its place went to a new client", logging.INFO)
             self._send(gone.routing_id, encode(Bye(f"server full, and this session {why}")))
         return True
+
+    def _gone_found(self, now: float, keep: list[Session]) -> bool:
+        """At a cap, before anyone is refused or given up: drop the sessions whose peers are gone
+        (True if any). A process killed with its connections open leaves its sessions behind until
+        a send finds its peer gone (its next heartbeat, up to an interval away) or its silence
+        runs out (3 of its intervals); a job restarted at once would meet its own ghosts at the
+        caps. A heartbeat to every session finds them now: libzmq knows a closed connection. At
+        most once per ``GONE_PROBE_EVERY`` seconds, so a flood of Hellos at a cap costs little."""
+        if now < self._probed_at + GONE_PROBE_EVERY:
+            return False
+        self._probed_at = now
+        for session in list(self.sessions.values()):
+            if session not in keep:
+                beat = Heartbeat(stream=session.hello.stream, sent=session.sent_items)
+                self._send(session.routing_id, encode(beat), drop_if_full=False)
+        found = bool(self._vanished)
+        self._drop_vanished()
+        return found
 
     def _stop_replaced(self, old: Session, carried: list) -> bool:
         """Stop a session a Hello replaces; False (and it is dropped) where the Welcomes it could
