@@ -23,6 +23,7 @@ import enum
 import logging
 import time
 import uuid
+from collections import deque
 from typing import Any, Callable, Mapping
 
 from fuelline.protocol import (
@@ -146,6 +147,10 @@ class ServingCore:
         self.status_interval = status_interval  # seconds between status lines in the log; 0: none
         self._status = StatusLine(status_interval, self._clock())
         self._slow_stages: set[str] = set()  # stages already warned about
+        # Sessions that may have something to send or prepare, looked at next turn (in order);
+        # and those rung from other threads since the last turn.
+        self._active: dict[bytes, None] = {}
+        self._rung: deque[bytes] = deque()
         self._probed_at = float("-inf")  # when sessions were last probed for peers gone (_gone_found)
 
     # -- what the driver supplies ----------------------------------------------------------------
@@ -159,16 +164,33 @@ class ServingCore:
 
     # -- a turn --------------------------------------------------------------------------------
     def _turn(self) -> tuple[bool, bool]:
-        """Send what every session may send, and prepare a slice of inline sessions' batches.
-        Returns (busy: a session has batches it could prepare now; blocked: a peer's queue is full)."""
+        """Send what sessions may send, and prepare a slice of inline sessions' batches: the
+        sessions that may have something to do (``_active``), not every session, so that a turn
+        costs what is done in it, not how many clients are connected. Returns (busy: a session
+        has batches it could prepare now; blocked: a peer's queue is full)."""
+        rung = self._rung
+        while rung:  # (sessions rung from other threads: a producer's batch, a decode done)
+            self._active[rung.popleft()] = None
+        active, self._active = self._active, {}
         busy = blocked = False
-        for session in list(self.sessions.values()):
-            self._guarded(session.routing_id, "sending", self._flush, session)
+        for rid in active:
+            session = self.sessions.get(rid)
+            if session is None:
+                continue
+            if session.sendable:
+                self._guarded(rid, "sending", self._flush, session)
             if session.can_advance:
-                self._guarded(session.routing_id, "preparing a batch", self._prepare, session)
+                self._guarded(rid, "preparing a batch", self._prepare, session)
+            if session.can_advance or session.blocked_since is not None:
+                self._active[rid] = None  # (again next turn)
                 busy = busy or session.can_advance
-            blocked = blocked or session.blocked_since is not None
+                blocked = blocked or session.blocked_since is not None
         return busy, blocked
+
+    def _ring(self, rid: bytes) -> None:
+        """A session has something to do (from any thread): a look at it next turn, and the driver rung."""
+        self._rung.append(rid)
+        self._wake()
 
     def _drop_vanished(self) -> None:
         """Drop the sessions whose peers were found gone (after what they sent last was read)."""
@@ -388,7 +410,7 @@ class ServingCore:
         if hello.shm and peer == LOCAL and self.slab_folder is not None:
             # Prepared, in flight, and a few the client still holds or has not yet said it let go.
             slabs = SessionSlabs(self.slab_folder, tag, max_slabs=3 * self.hwm + 8)
-        session = Session(rid, hello, self.source, wanted, self.hwm, self.checksum, self._wake, name, self.recent,
+        session = Session(rid, hello, self.source, wanted, self.hwm, self.checksum, lambda: self._ring(rid), name, self.recent,
                           peer=peer, max_heartbeat=self.max_client_heartbeat, slabs=slabs, clock=self._clock)
         self.sessions[rid] = session
         self.stats["sessions"] += 1
@@ -413,23 +435,27 @@ class ServingCore:
         )
 
     def _flush(self, session: Session) -> None:
-        items = session.take_sendable()
-        for i, (kind, frames, nbytes) in enumerate(items):
-            if not self._send(session.routing_id, frames, drop_if_full=False):
-                # Full (or the peer is gone, and the session goes at the end of this turn): the
-                # rest waits, and a queue that stays full is a peer not reading (_keepalive).
-                session.requeue(items[i:])
-                if session.blocked_since is None:
-                    session.blocked_since = self._clock()
-                return
-            session.blocked_since = None
-            if kind in ("batch", "end"):
-                session.sent_items += 1  # (heartbeats tell the client, which counts what arrived)
-            if kind == "batch":
-                self.stats["batches"] += 1
-                self.stats["bytes"] += nbytes
-                if len(frames) == 1 and nbytes:
-                    self.stats["batches_shared"] += 1
+        try:
+            items = session.take_sendable()
+            for i, (kind, frames, nbytes) in enumerate(items):
+                if not self._send(session.routing_id, frames, drop_if_full=False):
+                    # Full (or the peer is gone, and the session goes at the end of this turn): the
+                    # rest waits, and a queue that stays full is a peer not reading (_keepalive).
+                    session.requeue(items[i:])
+                    if session.blocked_since is None:
+                        session.blocked_since = self._clock()
+                    return
+                session.blocked_since = None
+                if kind in ("batch", "end"):
+                    session.sent_items += 1  # (heartbeats tell the client, which counts what arrived)
+                if kind == "batch":
+                    self.stats["batches"] += 1
+                    self.stats["bytes"] += nbytes
+                    if len(frames) == 1 and nbytes:
+                        self.stats["batches_shared"] += 1
+        finally:
+            if session.can_advance or session.blocked_since is not None:
+                self._active[session.routing_id] = None  # (more to do: a look next turn)
 
     def _prepare(self, session: Session) -> None:
         """A slice of an inline session's batches, sent as far as its credit goes."""

@@ -130,6 +130,16 @@ class Session:
         return len(self._ready)
 
     @property
+    def sendable(self) -> bool:
+        """Whether ``take_sendable`` would give anything now (a racy look, for the loop's turn: a
+        producer that queues an item rings the loop, which looks again)."""
+        ready = self._ready
+        try:
+            return bool(ready) and (ready[0][0] != "batch" or (self.credit > 0 and self.in_flight < self.hwm))
+        except IndexError:  # (emptied meanwhile)
+            return False
+
+    @property
     def can_advance(self) -> bool:
         """Inline: whether ``advance`` would prepare a batch now (room for it, and no decode to
         wait for)."""
