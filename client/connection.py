@@ -84,20 +84,20 @@ class Connection(Link):
         self._sock: zmq.Socket | None = None
 
     # -- the user's side -----------------------------------------------------------------------
-    def start(self, stream: int, epoch: int, cursor: int, history: tuple = ()) -> None:
+    def start(self, seek: int, epoch: int, cursor: int, history: tuple = ()) -> None:
         with self._lock:
-            self.begin(stream, epoch, cursor, history)
+            self.begin(seek, epoch, cursor, history)
         self._keepalive.start()
 
-    def seek(self, stream: int, epoch: int, cursor: int, history: tuple = ()) -> None:
-        """Restart the stream at a position; items of older streams are dropped."""
+    def seek(self, seek: int, epoch: int, cursor: int, history: tuple = ()) -> None:
+        """Restart at a position, under a new seek counter; items of older ones are dropped."""
         with self._lock:
-            super().seek(stream, epoch, cursor, history)
+            super().seek(seek, epoch, cursor, history)
 
-    def credit(self, stream: int, n: int = 1) -> None:
-        """The user took n batches of ``stream``: room for n more."""
+    def credit(self, seek: int, n: int = 1) -> None:
+        """The user took n batches tagged ``seek``: room for n more."""
         with self._lock:
-            super().credit(stream, n)
+            super().credit(seek, n)
 
     def take(self, wait: float) -> Item | None:
         """The next item, driving the connection for up to ``wait`` seconds; None if none came.

@@ -21,9 +21,10 @@ The position means the same batch only under the same sequence fingerprint
 it), and fails with ``FingerprintMismatch`` on a Welcome that differs, before any batch of that
 server is handed over.
 
-Two numbers tell messages apart. The *stream* is the user's: it changes on ``seek`` and tags the
-items handed over. The *generation* (``_gen``, the wire's ``Hello.stream``) changes on every
-Hello: batches of a session a later Hello replaced carry an older one and are dropped.
+Two counters tell messages apart. The *seek* counter is the user's: it changes on ``seek`` and
+tags the items handed over (``Item.seek``). The *generation* (``_gen``; on the wire, the field
+``stream`` of Hello, Welcome, Batch, EndOfEpoch and Heartbeat, named so for compatibility) changes
+on every Hello: batches of a session a later Hello replaced carry an older one and are dropped.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def backoff_delay(backoff: float, rng: random.Random) -> float:
 
 @dataclass(frozen=True)
 class Item:
-    """A batch or an end of epoch, tagged with the user's stream it belongs to."""
+    """A batch or an end of epoch, tagged with the seek counter of the position it belongs to."""
 
-    stream: int
+    seek: int
     kind: str  # "batch" or "end"
     epoch: int = 0
     seq: int = 0
@@ -148,7 +149,7 @@ class Link:
         self._messages = 0  # received so far (a driver's pace may follow it)
         self._error: BaseException | None = None
         self._open_now = False  # a transport is open
-        self._stream = 0  # the user's stream (changes on seek); tags the items handed over
+        self._seek = 0  # the user's seek counter (changes on seek); tags the items handed over
         self._gen = 0  # the Hello counter on the wire (changes on every Hello); tags batches
         self._pos = (0, 0)  # the next (epoch, seq) expected from the server
         self._history: tuple = ()  # segments of _pos's epoch run at other world sizes (Hello.history)
@@ -211,23 +212,23 @@ class Link:
         return detail
 
     # -- the user's side -----------------------------------------------------------------------
-    def begin(self, stream: int, epoch: int, cursor: int, history: tuple = ()) -> None:
-        """Open the link at a position: connect, and say Hello."""
-        self._stream, self._pos, self._history = stream, (epoch, cursor), tuple(history)
+    def begin(self, seek: int, epoch: int, cursor: int, history: tuple = ()) -> None:
+        """Open the link at a position (``seek``: its seek counter): connect, and say Hello."""
+        self._seek, self._pos, self._history = seek, (epoch, cursor), tuple(history)
         self._last_heard = self._started = self._clock()
         self._open()
 
-    def seek(self, stream: int, epoch: int, cursor: int, history: tuple = ()) -> None:
-        """Restart the stream at a position; items of older streams are dropped."""
-        self._stream, self._pos, self._undelivered = stream, (epoch, cursor), 0
+    def seek(self, seek: int, epoch: int, cursor: int, history: tuple = ()) -> None:
+        """Restart at a position, under a new seek counter; items of older ones are dropped."""
+        self._seek, self._pos, self._undelivered = seek, (epoch, cursor), 0
         self._history = tuple(history)
         self._items.clear()
         if self._open_now:
             self._say_hello()
 
-    def credit(self, stream: int, n: int = 1) -> None:
-        """The user took n batches of ``stream``: room for n more."""
-        if stream == self._stream:
+    def credit(self, seek: int, n: int = 1) -> None:
+        """The user took n batches tagged ``seek``: room for n more."""
+        if seek == self._seek:
             self._undelivered -= n
             self._pending_credit += n
             self._flush_credit(2 * self._credit_group)
@@ -463,7 +464,7 @@ class Link:
             self._out_of_order(f"batch {msg.epoch}:{msg.seq}", (msg.epoch, msg.seq))
             return
         self._received += 1
-        self._items.append(Item(self._stream, "batch", msg.epoch, msg.seq, dict(msg.arrays)))
+        self._items.append(Item(self._seek, "batch", msg.epoch, msg.seq, dict(msg.arrays)))
         self._undelivered += 1
         self._pos = (msg.epoch, msg.seq + 1)
 
@@ -474,7 +475,7 @@ class Link:
             self._out_of_order(f"the end of epoch {msg.epoch} after {msg.batches} batches", (msg.epoch, msg.batches))
             return
         self._received += 1
-        self._items.append(Item(self._stream, "end", msg.epoch, msg.batches))
+        self._items.append(Item(self._seek, "end", msg.epoch, msg.batches))
         self._pos = (msg.epoch + 1, 0)
         self._history = ()  # later epochs start whole
 

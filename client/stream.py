@@ -209,7 +209,7 @@ class ServerDataStream:
         self._shared_memory = shared_memory
         self._conns: list[Connection] = []
         self._checked = False  # the servers' welcomes were compared
-        self._stream = 0  # the stream the connection is reading; changes on every seek
+        self._seek = 0  # the seek counter of the position read now; changes on every seek
         self._pos: tuple = (0, 0, ())  # (epoch, batch, history) of the next item the connection hands over
         self._history: tuple = ()  # segments of self._epoch run at other world sizes (resume)
         self._epoch = 0  # next epoch to start, or the one in progress
@@ -359,7 +359,7 @@ class ServerDataStream:
                 for conn in self._conns:
                     conn.hold_to(self._saved_fingerprint, "in the saved position")
             for e, conn in enumerate(self._conns):
-                conn.start(self._stream, self._epoch, self._share(self._cursor, e), self._history)
+                conn.start(self._seek, self._epoch, self._share(self._cursor, e), self._history)
             self._pos = (self._epoch, self._cursor, self._history)
         return self._conns
 
@@ -367,9 +367,9 @@ class ServerDataStream:
         conns = self._connections()
         # The same batch numbers mean other batches under another history: compare both.
         if self._pos != (epoch, cursor, self._history):
-            self._stream += 1
+            self._seek += 1
             for e, conn in enumerate(conns):
-                conn.seek(self._stream, epoch, self._share(cursor, e), self._history)
+                conn.seek(self._seek, epoch, self._share(cursor, e), self._history)
             self._pos = (epoch, cursor, self._history)
 
     def _welcome(self) -> Any:
@@ -395,7 +395,7 @@ class ServerDataStream:
         conns = self._connections()
         if len(conns) > 1 and not self._checked:
             self._welcome()
-        taken = take_in_turn(conns, cursor, self._stream, self.receive_timeout, wait)
+        taken = take_in_turn(conns, cursor, self._seek, self.receive_timeout, wait)
         if not self._checked and conns[0].welcome is not None:  # (one server: nothing to compare)
             self._checked = True
             self._hint_connections([conns[0].welcome])
@@ -411,7 +411,7 @@ class ServerDataStream:
             self._pos = (item.epoch + 1, 0, ())
             return item, None
         self._pos = (item.epoch, cursor + 1, self._history)
-        conn.credit(item.stream)
+        conn.credit(item.seek)
         assert item.arrays is not None  # (a batch always has them; an end has none)
         placement = self.placement
         return item, item.arrays if placement is None else placement.stage(item.arrays, cursor > self._cursor)

@@ -12,8 +12,8 @@ from fuelline.protocol import ProtocolError, ReceiveTimeout
 __all__ = ["next_item", "take_in_turn"]
 
 
-def next_item(conn: Connection, stream: int, receive_timeout: float | None, wait: bool = True) -> Item | None:
-    """The connection's next item of the user's stream ``stream``; None if ``wait`` is False and
+def next_item(conn: Connection, seek: int, receive_timeout: float | None, wait: bool = True) -> Item | None:
+    """The connection's next item of the user's position ``seek`` (its seek counter); None if ``wait`` is False and
     none has arrived.
 
     Raises:
@@ -28,12 +28,12 @@ def next_item(conn: Connection, stream: int, receive_timeout: float | None, wait
             if receive_timeout is not None and time.monotonic() - started > receive_timeout:
                 raise ReceiveTimeout(f"no batch from {conn.endpoint} in {receive_timeout:.1f}s")
             continue
-        if item.stream == stream:
+        if item.seek == seek:
             return item
-        # An item of a stream left behind by a seek: drop it.
+        # An item of a position left behind by a seek: drop it.
 
 
-def take_in_turn(conns: Sequence[Connection], cursor: int, stream: int, receive_timeout: float | None,
+def take_in_turn(conns: Sequence[Connection], cursor: int, seek: int, receive_timeout: float | None,
                  wait: bool = True) -> tuple[Connection, Item | None]:
     """Item ``cursor`` of the epoch and the connection it came from (None if ``wait`` is False and
     it has not arrived).
@@ -44,12 +44,12 @@ def take_in_turn(conns: Sequence[Connection], cursor: int, stream: int, receive_
     """
     turn = cursor % len(conns)
     conn = conns[turn]
-    item = next_item(conn, stream, receive_timeout, wait)
+    item = next_item(conn, seek, receive_timeout, wait)
     if item is not None and item.kind == "end" and len(conns) > 1:
         for e, other in enumerate(conns):
             if e == turn:
                 continue
-            theirs = next_item(other, stream, receive_timeout)
+            theirs = next_item(other, seek, receive_timeout)
             assert theirs is not None  # (waited for)
             if turn != 0 or theirs.kind != "end" or theirs.epoch != item.epoch:
                 raise ProtocolError(

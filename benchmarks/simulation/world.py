@@ -277,13 +277,13 @@ class SimCore(ServingCore):
 class SimLink(Link):
     """A rank's connection to one server, on the simulated network."""
 
-    def __init__(self, world: World, rank: Rank, server: int, stream: int, jitter: random.Random) -> None:
+    def __init__(self, world: World, rank: Rank, server: int, jitter: random.Random) -> None:
         cfg = world.cfg
         hello = Hello(client_id=f"rank{rank.index}-job{world.job}/{server}", rank=rank.index, world_size=cfg.ranks,
                       heartbeat=cfg.heartbeat, credit=cfg.hwm)
         super().__init__(f"tcp://server{server}:5557", hello, hwm=cfg.hwm, heartbeat=cfg.heartbeat,
                          timeout=cfg.timeout, local=False, clock=lambda: world.loop.now, rng=jitter)
-        self.world, self.rank, self.server, self.stream = world, rank, server, stream
+        self.world, self.rank, self.server = world, rank, server
         self.pipe: Pipe | None = None
         self._kind = ""
         self.first_after_restart: float | None = None
@@ -331,7 +331,7 @@ class Rank:
         self.links = []
         for k in range(w.cfg.servers):
             epoch, seq = self.position(k)
-            link = SimLink(w, self, k, w.job, w.jitter_rng())
+            link = SimLink(w, self, k, w.jitter_rng())
             self.links.append(link)
             link.begin(w.job, epoch, seq)
         w.loop.after(w.cfg.step * w.rng.random(), self.step)
@@ -394,7 +394,7 @@ class Rank:
             self.world.violate(f"order: rank {self.index} took {entry} from server {link.server}, expected {want}")
         read.append(entry)
         if item.kind == "batch":
-            link.credit(item.stream, 1)
+            link.credit(item.seek, 1)
 
     def keep_alive(self, job: int) -> None:
         """Each link's keep-alive turn: reconnect once a backoff is over, return credit, heartbeats."""
