@@ -2,15 +2,15 @@
 
 - ``<!-- cli-reference -->`` in a page becomes the command-line reference, rendered from the argument
   parsers by ``docs/cli_reference.py``, so the site cannot fall behind them.
-- ``<!-- readme: TITLE -->`` becomes the body of the README's ``## TITLE`` section. The sections the
-  README keeps (the training loop, the trainer, sizing, benchmarks) have one source, and the site
-  shows the same words.
+- ``<!-- readme: TITLE -->`` becomes the body of the README's ``## TITLE`` section: the install
+  steps, which the README's first screen keeps, have one source. Every other page holds its own text.
 - ``<!-- include: PATH -->`` becomes the file at PATH (from the repository root), its headings one
   level down: the deploy folders' READMEs, which sit beside the files they describe.
 - The API reference's loader (griffe) finds modules by their files, but ``fuelline`` exists only as
   a mapping in ``setup.cfg`` (``fuelline.server = server`` …). A tree of links under
   ``build/api-src/fuelline`` gives it the package as Python imports it.
-- The images the README's sections show (benchmark plots) are added to the site from where they live.
+- The images the pages show from outside ``docs/`` (benchmark plots, ``benchmarks/results/*.png``) are
+  added to the site from where they live.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def on_startup(command: str, dirty: bool) -> None:
 
 
 def on_files(files: Files, config: Any) -> Files:
-    readme = (ROOT / "README.md").read_text()
-    for uri in sorted({uri for uri in IMAGE_LINK.findall(readme) if not uri.startswith("docs/")}):
+    pages = [(ROOT / "README.md").read_text(), *(page.read_text() for page in sorted((ROOT / "docs").glob("*.md")))]
+    for uri in sorted({uri for text in pages for uri in IMAGE_LINK.findall(text) if not uri.startswith("docs/")}):
         if files.get_file_from_path(uri) is None and (ROOT / uri).is_file():
             files.append(File.generated(config, uri, abs_src_path=str(ROOT / uri)))
     return files

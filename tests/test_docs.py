@@ -116,14 +116,32 @@ def test_the_api_page_documents_the_public_api_from_its_docstrings(site: Path) -
     assert " ".join(first_line.split()) in " ".join(text.split())
 
 
-def test_pages_that_show_a_readme_section_show_its_current_words(site: Path) -> None:
-    hooks = _hooks()
-    for page, title in (("", "Install"), ("training-loop", "Read it in a training loop"),
-                        ("trainer", "Train with torchrun"), ("operations", "Sizing"), ("benchmarks", "Benchmarks")):
-        section = hooks.readme_section(title)
-        first = next(line for line in section.splitlines() if line and not line.startswith(("```", "!", "|")))
-        words = re.sub(r"[`*]|\[([^]]*)\]\([^)]*\)", r"\1", first).split()
-        assert " ".join(words[:6]) in " ".join(_text(site / page / "index.html").split()), page
+def test_the_start_page_shows_the_readme_install_in_its_current_words(site: Path) -> None:
+    section = _hooks().readme_section("Install")
+    first = next(line for line in section.splitlines() if line and not line.startswith(("```", "!", "|")))
+    words = re.sub(r"[`*]|\[([^]]*)\]\([^)]*\)", r"\1", first).split()
+    assert " ".join(words[:6]) in " ".join(_text(site / "index.html").split())
+
+
+def test_every_page_but_the_start_holds_its_own_text_and_the_readme_is_a_first_screen_and_links() -> None:
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        text = page.read_text()
+        markers = re.findall(r"<!-- readme: (.+?) -->", text)
+        assert markers == (["Install"] if page.name == "index.md" else []), page.name
+        if page.name not in ("cli.md", "api.md", "deploy.md"):  # (generated from the code, or included)
+            prose = [line for line in text.splitlines() if line and not line.startswith(("#", "<!--", ":::"))]
+            assert len(prose) >= 5, f"{page.name} is a stub"
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) < 120, "the README grew pages of its own: they belong in docs/"
+    for page in ("trainer.md", "training-loop.md", "benchmarks.md", "operations.md", "cli.md"):
+        assert f"](docs/{page})" in readme, page
+
+
+def test_the_benchmark_plots_the_pages_show_are_on_the_site(site: Path) -> None:
+    shown = re.findall(r"!\[[^]]*\]\((benchmarks/results/[\w.-]+\.png)\)", (ROOT / "docs" / "benchmarks.md").read_text())
+    assert shown, "the benchmarks page shows no plot"
+    for uri in shown:
+        assert (site / uri).is_file(), uri
 
 
 def test_a_missing_readme_section_is_an_error_naming_it(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ __all__ = ["main", "build_parser", "DefaultsHelpFormatter", "shown_default"]
 
 
 def shown_default(action: argparse.Action) -> str | None:
-    """An option's default as ``--help`` and the README show it; None where it has none worth
+    """An option's default as ``--help`` and the command-line reference show it; None where it has none worth
     showing (no value, a flag that is off unless given, an empty list)."""
     if isinstance(action, argparse.BooleanOptionalAction):
         return "on" if action.default else "off"
