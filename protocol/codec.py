@@ -163,6 +163,23 @@ def decode(
     if len(frames) > limits.max_arrays + 1:
         raise MessageTooLarge(f"{len(frames)} frames exceed the limit of {limits.max_arrays + 1}")
     header = _unpack_header(frames[0], limits)
+    cls, kind = _message_class(header, len(frames))
+    placed = cls is Batch and "m" in header
+    kwargs = _fields(cls, kind, header)
+    if placed:
+        if place is None:
+            raise ProtocolError("batch placed in shared memory, which this connection did not ask for")
+        kwargs["arrays"], kwargs["checksum"] = _place_arrays(header, kwargs.get("stream"), limits, place)
+    elif cls is Batch:
+        kwargs["arrays"], kwargs["checksum"] = _decode_arrays(header, frames[1:], limits, verify)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(f"invalid {kind}: {exc}") from None
+
+
+def _message_class(header: dict[str, Any], frames: int) -> tuple[type, str]:
+    """The message type a header names (and its name), once its version and frame count fit it."""
     kind = header.get("t")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     version = header.get("v")
@@ -171,10 +188,13 @@ def decode(
         raise ProtocolVersionError(version, VERSION)
     if cls is None:
         raise ProtocolError(f"unknown message type {kind!r:.40}")
-    placed = cls is Batch and "m" in header
-    if (cls is not Batch or placed) and len(frames) != 1:
-        raise ProtocolError(f"{kind} message carries {len(frames) - 1} unexpected frames")
+    if (cls is not Batch or "m" in header) and frames != 1:
+        raise ProtocolError(f"{kind} message carries {frames - 1} unexpected frames")
+    return cls, kind  # type: ignore[return-value]
 
+
+def _fields(cls: type, kind: str, header: dict[str, Any]) -> dict[str, Any]:
+    """The header's values of the message's fields (a batch's arrays and checksum aside)."""
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if f.name in ("arrays", "checksum") and cls is Batch:
@@ -186,16 +206,7 @@ def decode(
             kwargs[f.name] = value
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ProtocolError(f"{kind} header lacks field {f.name!r}")
-    if placed:
-        if place is None:
-            raise ProtocolError("batch placed in shared memory, which this connection did not ask for")
-        kwargs["arrays"], kwargs["checksum"] = _place_arrays(header, kwargs.get("stream"), limits, place)
-    elif cls is Batch:
-        kwargs["arrays"], kwargs["checksum"] = _decode_arrays(header, frames[1:], limits, verify)
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as exc:
-        raise ProtocolError(f"invalid {kind}: {exc}") from None
+    return kwargs
 
 
 def _metas(header: dict[str, Any], count: int | None, limits: Limits) -> list[ArrayMeta]:

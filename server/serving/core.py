@@ -261,15 +261,8 @@ class ServingCore:
         elif isinstance(msg, (Credit, Heartbeat)):
             if session is None:
                 self._reply(rid, ErrorCode.NO_SESSION, "no session for this connection; send Hello", fatal=False)
-            elif isinstance(msg, Credit):
-                session.release(msg.released)
-                if msg.n:
-                    self._credit(session, msg.n)
-            elif msg.sent is not None and msg.stream == session.hello.stream:
-                lost = session.credit_lost(msg.sent)
-                if lost:
-                    log.warning("client %s: credit for %d batches lost in transit; made good", session.name, lost)
-                    self._credit(session, lost)
+            else:
+                self._granting(session, msg)
         elif isinstance(msg, Bye):
             if session is not None:
                 self._drop(session, f"said bye ({msg.reason})" if msg.reason else "said bye", level=logging.INFO)
@@ -277,6 +270,18 @@ class ServingCore:
                     self.recent.forget(session.hello.client_id)  # it will not come back for them
         else:
             self._reply(rid, ErrorCode.BAD_REQUEST, f"a client may not send {msg.TYPE} messages")
+
+    def _granting(self, session: Session, msg: Credit | Heartbeat) -> None:
+        """A Credit, or a heartbeat that says how much credit its client granted in all."""
+        if isinstance(msg, Credit):
+            session.release(msg.released)
+            if msg.n:
+                self._credit(session, msg.n)
+        elif msg.sent is not None and msg.stream == session.hello.stream:
+            lost = session.credit_lost(msg.sent)
+            if lost:
+                log.warning("client %s: credit for %d batches lost in transit; made good", session.name, lost)
+                self._credit(session, lost)
 
     def _credit(self, session: Session, n: int) -> None:
         try:

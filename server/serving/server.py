@@ -132,12 +132,7 @@ class Server(Listener, ServingCore):
                 if router in events:
                     self._drain_requests(router)
                 if self._wake_r in events:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                    self._wake_pending = False  # after the drain, or a ring during it is lost
+                    self._drain_wake()
                 busy, blocked = self._turn()
                 now = time.monotonic()
                 if now >= next_tick:
@@ -151,6 +146,15 @@ class Server(Listener, ServingCore):
                     self._drop_vanished()
         finally:
             self._shutdown(self._stop_reason or "server loop ended")
+
+    def _drain_wake(self) -> None:
+        """Empty the pipe that rang the loop."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        self._wake_pending = False  # after the drain, or a ring during it is lost
 
     def _drain_requests(self, router: zmq.Socket) -> None:
         for _ in range(1000):  # bounded, so a flood cannot starve sending

@@ -370,44 +370,57 @@ class SharedEpochs:
         """Let batches go, in the order the module docstring gives, until under budget; batch
         ``i`` of ``fresh``, just read and in its reader's hands, goes last."""
         passes = sorted(self._passes.values(), key=lambda q: q.used)
-        for p in passes:  # 1: below every reader and past every padding candidate
-            readers = list(p.readers)
-            low = min((r.next_index() for r in readers), default=None)
-            pad = max((r.pad_limit(p.total) for r in readers), default=-1)
-            lo = bisect.bisect_right(p.keys, pad)
-            hi = len(p.keys) if low is None else bisect.bisect_left(p.keys, low)
-            while lo < hi and self.held_bytes > self.budget:
-                self.held_bytes -= p.drop(p.keys[lo])
-                hi -= 1
-            if self.held_bytes <= self.budget:
-                return
-        for p in passes:  # 2: what no reader needs, rank by rank
-            readers = list(p.readers)
-            for g in [g for g in p.keys[:SCAN] if not any(r.needs(g, p.total) for r in readers)]:
-                self.held_bytes -= p.drop(g)
-                if self.held_bytes <= self.budget:
+        for stage in (self._drop_passed, self._drop_unneeded):
+            for p in passes:
+                if stage(p):
                     return
-        for p in passes:  # 3: what a reader far behind needs
-            while p.keys and self.held_bytes > self.budget:
-                g = p.keys[0]
-                if p is fresh and g == i:
-                    if len(p.keys) == 1:
-                        break
-                    g = p.keys[1]
-                behind = [r for r in p.readers if r.needs(g, p.total)]
-                if behind and not p.warned_behind:
-                    p.warned_behind = True
-                    r = min(behind, key=Reader.next_index)
-                    log.warning(
-                        "split %r, epoch %d: the Fuel stream's buffer is full (%d MB) and rank %d of %d is "
-                        "%d batch(es) behind the stream; it will read the stream again for what it lost, which "
-                        "a stream that is not deterministic cannot serve (FuelStreamSource(buffer_mb=...) holds "
-                        "more)", p.split, p.epoch, self.budget // 2**20, r.rank, r.world, p.read - r.next_index(),
-                    )
-                self.held_bytes -= p.drop(g)
-            if self.held_bytes <= self.budget:
+        for p in passes:
+            if self._drop_needed(p, fresh, i):
                 return
         self.held_bytes -= fresh.drop(i)  # (larger than the whole budget on its own)
+
+    def _drop_passed(self, p: _Pass) -> bool:
+        """1: what is below every reader and past every padding candidate. True: under budget."""
+        readers = list(p.readers)
+        low = min((r.next_index() for r in readers), default=None)
+        pad = max((r.pad_limit(p.total) for r in readers), default=-1)
+        lo = bisect.bisect_right(p.keys, pad)
+        hi = len(p.keys) if low is None else bisect.bisect_left(p.keys, low)
+        while lo < hi and self.held_bytes > self.budget:
+            self.held_bytes -= p.drop(p.keys[lo])
+            hi -= 1
+        return self.held_bytes <= self.budget
+
+    def _drop_unneeded(self, p: _Pass) -> bool:
+        """2: what no reader needs, rank by rank. True: under budget."""
+        readers = list(p.readers)
+        for g in [g for g in p.keys[:SCAN] if not any(r.needs(g, p.total) for r in readers)]:
+            self.held_bytes -= p.drop(g)
+            if self.held_bytes <= self.budget:
+                return True
+        return False
+
+    def _drop_needed(self, p: _Pass, fresh: _Pass, i: int) -> bool:
+        """3: what a reader far behind needs (told once a pass); batch ``i`` of ``fresh`` kept.
+        True: under budget."""
+        while p.keys and self.held_bytes > self.budget:
+            g = p.keys[0]
+            if p is fresh and g == i:
+                if len(p.keys) == 1:
+                    break
+                g = p.keys[1]
+            behind = [r for r in p.readers if r.needs(g, p.total)]
+            if behind and not p.warned_behind:
+                p.warned_behind = True
+                r = min(behind, key=Reader.next_index)
+                log.warning(
+                    "split %r, epoch %d: the Fuel stream's buffer is full (%d MB) and rank %d of %d is "
+                    "%d batch(es) behind the stream; it will read the stream again for what it lost, which "
+                    "a stream that is not deterministic cannot serve (FuelStreamSource(buffer_mb=...) holds "
+                    "more)", p.split, p.epoch, self.budget // 2**20, r.rank, r.world, p.read - r.next_index(),
+                )
+            self.held_bytes -= p.drop(g)
+        return self.held_bytes <= self.budget
 
     def _forget_old(self, split: str) -> _Pass | None:
         """Past MAX_EPOCHS passes of a split, forget the least recently read one nobody reads;
