@@ -96,7 +96,7 @@ def storm(cfg: Config, seed: int, at: float, down: float) -> Storm:
     restart_all(world, at, down)
     world.launch()
     links = [link for r in world.ranks for link in r.links]
-    world.loop.run(at + down + 60.0, lambda: all(link.first_after_restart is not None for link in links))
+    world.loop.run(at + down + 60.0, lambda: world.read_again >= len(links))
     outcome = _outcome(world, [f"every server restarted at {at:.2f}s, down {down:.2f}s"], time.perf_counter() - start,
                        to_the_end=False)
     back = world.restarted_at

@@ -433,6 +433,7 @@ class World:
         self.rng = random.Random(self.seed)
         self.job = 1
         self.finished = 0
+        self.read_again = 0  # links that received a batch from their server's new process
         self.tick = cfg.heartbeat / 4
         self.max_clients = cfg.max_clients or (cfg.ranks + cfg.liars) * 5 // 4 + 2
         self.per_peer = default_per_peer(self.max_clients)
@@ -511,6 +512,7 @@ class World:
             host = self.hosts[pipe.server]
             if link.first_after_restart is None and host.incarnation > 1 and self.loop.now >= self.restarted_at:
                 link.first_after_restart = self.loop.now
+                self.read_again += 1
             if link._undelivered > self.cfg.hwm:
                 self.violate(f"credit: rank {link.rank.index} holds {link._undelivered} batches of {link.endpoint} "
                              f"(hwm {self.cfg.hwm})")
