@@ -78,6 +78,7 @@ class BlockReader:
         on_loss: Callable[[str], None] | None = None,
         prefetch: Callable[[list[int]], None] | None = None,
         prefetch_blocks: int = 0,
+        first_block: int = 0,
     ) -> None:
         self.skip_bad = skip_bad
         self.on_loss = on_loss
@@ -98,7 +99,9 @@ class BlockReader:
         # Per block held: its decoded units by unit (the lost ones left out).
         self.blocks: OrderedDict[int, dict[int, dict[str, np.ndarray]]] = OrderedDict()
         self.pending: dict[int, list[tuple[int, Future | None]]] = {}
-        self._read_ahead(0)  # the first block too: its units decode side by side, not one by one
+        # The first block too (the one its first rows are in): its units decode side by side, not
+        # one by one, and while the rest of the epoch's plan is made.
+        self._read_ahead(first_block)
 
     def _units(self, b: int) -> list[int]:
         k = self.plan.shuffle_block

@@ -30,7 +30,7 @@ from fuelline.server.cache.decoded import DecodedUnits
 from fuelline.server.sources.block_reader import BlockReader, Column
 from fuelline.server.sources.contract import Batches, BatchSource, StageRun, Steps, Waiting
 from fuelline.server.sources.options import SourceOptions
-from fuelline.server.sources.ordering import EpochPlan, batches_per_rank, epoch_plan, rank_rows, remaining_order
+from fuelline.server.sources.ordering import EpochPlan, RankRows, batches_per_rank, rank_rows, remaining_order
 from fuelline.server.sources.stage_pool import StagePool
 
 if TYPE_CHECKING:
@@ -165,9 +165,12 @@ class UnitSource(BatchSource):
     # Bounded, and the source lives as long as the server: the cache holding ``self`` leaks nothing.
     @functools.lru_cache(maxsize=8)  # noqa: B019
     def _plan(self, split: str, epoch: int) -> EpochPlan:
-        plan = epoch_plan(self.unit_rows(split), self.seed, epoch, self.shuffle, self.shuffle_block)
-        plan.order.setflags(write=False)
-        return plan
+        return self._new_plan(split, epoch).start()
+
+    def _new_plan(self, split: str, epoch: int) -> EpochPlan:
+        """An epoch's plan, to be made on a thread of its own a block at a time: a reader's first
+        batch waits only for the blocks up to its rows, and their units decode meanwhile."""
+        return EpochPlan(self.unit_rows(split), self.seed, epoch, self.shuffle, self.shuffle_block)
 
     def _readahead_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -275,14 +278,17 @@ class UnitSource(BatchSource):
         on_loss: Callable[[str], None] | None, history: Sequence[tuple[int, ...]], *, cooperative: bool,
     ) -> Steps:
         plan = self._plan(split, epoch)
-        order = remaining_order(plan.order, history, self.batch_size) if history else plan.order
-        rows = rank_rows(order, rank, world_size)
-        count = -(-len(rows) // self.batch_size) if len(order) else 0
+        if history:
+            rows = RankRows(plan, rank, world_size, rank_rows(remaining_order(plan.order, history, self.batch_size), rank, world_size))
+        else:
+            rows = RankRows(plan, rank, world_size)
+        count = -(-len(rows) // self.batch_size)
         columns = list(self.column_specs(sources))
         reader = BlockReader(
             self.unit_rows(split), columns, plan, self._submitter(split, columns),
             skip_bad=self.on_bad_shard == "skip", on_loss=on_loss,
             prefetch=lambda units: self.prefetch_units(split, units), prefetch_blocks=self.prefetch,
+            first_block=rows.first_block(start * self.batch_size),
         )
         step = BlockReader.batches_at_once(columns, self.batch_size)
         # A serving loop never runs the user's stages itself: they go to the stage pool, a batch
@@ -291,7 +297,10 @@ class UnitSource(BatchSource):
         owner = object()  # this reader, to the stage pool
         try:
             for b in range(start, count, step):
-                chunk = rows[b * self.batch_size : min(b + step, count) * self.batch_size]
+                lo, hi = b * self.batch_size, min(b + step, count) * self.batch_size
+                while cooperative and (made := rows.pending(lo, hi)) is not None:
+                    yield Waiting([made])
+                chunk = rows.take(lo, hi)
                 while cooperative and (waits := reader.waits_for(chunk)):
                     yield Waiting(waits)
                 if stages is None:
