@@ -3,6 +3,9 @@
 ``python -m benchmarks guard [--record]``: the ratios users compare, in about two minutes, against
 those recorded in the repository (``benchmarks.guard``).
 
+``python -m benchmarks first-batch [--gb 10] [--before REV]``: from starting ``fuelline serve`` on a
+large table to a reader's first batch (``benchmarks.first_batch``).
+
 Benchmarks: transport, parquet, windows, pipeline, overlap, scaling, scaleout, trainer, compression;
 convergence, cost and stages only when named (``python -m benchmarks convergence``, or ``python -m benchmarks.convergence``
 with its own options; likewise ``cost``).
@@ -82,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from benchmarks import guard
 
         return guard.main(argv[1:])
+    if argv[:1] == ["first-batch"]:  # (likewise: python -m benchmarks first-batch --help)
+        from benchmarks import first_batch
+
+        return first_batch.main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.quick:
         args.rounds, args.batches, args.gb = QUICK["rounds"], QUICK["batches"], QUICK["gb"]

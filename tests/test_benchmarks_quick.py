@@ -176,6 +176,23 @@ def test_quick_fuel_stream_benchmark_reports_fuelline_on_the_host_and_over_tcp(t
     assert "fuelline, TCP / fuelline" in record["ratios"]
 
 
+@pytest.mark.timeout(120)
+def test_quick_first_batch_benchmark_times_both_readers_from_the_servers_spawn(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "first-batch", "--gb", "0.005", "--row-group-rows", "512",
+                           "--rounds", "2", "--world", "3", "--results-dir", str(tmp_path / "results"),
+                           "--data-dir", str(tmp_path / "data")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = json.loads((tmp_path / "results" / "first-batch.json").read_text())
+    readers = record["results"]["fuelline"]
+    assert set(readers) == {"rank 0 of 1", "rank 2 of 3"}
+    for got in readers.values():
+        assert len(got["rounds"]) == 2
+        assert all(0 < r["ready_s"] < r["first_batch_s"] for r in got["rounds"])
+    assert "| fuelline | rank 2 of 3 |" in (tmp_path / "results" / "first-batch.md").read_text()
+
+
 def test_the_guard_names_each_ratio_that_dropped_by_more_than_a_fifth() -> None:
     from benchmarks.guard import compare
 
