@@ -12,9 +12,10 @@ come in order: one ahead of the expected position means messages were lost in tr
 reset that libzmq reconnected under the same routing id drops what was queued on the old
 connection), and so does a server heartbeat that counts more messages of the stream than
 arrived; the link then asks again from its position. One behind it is a server bug, reported.
-After a silence of three server heartbeat intervals, a ``Bye`` or a server restart, it
-reconnects with a jittered backoff and asks for exactly its position, so nothing is lost or
-repeated. It gives up with ``ServerUnavailable`` after ``timeout`` seconds without hearing from
+After a silence of three server heartbeat intervals or a server restart it reconnects at once
+(its Hello waits in the new socket until a server answers); after a ``Bye``, or a server that is
+full, after a jittered backoff. Either way it asks for exactly its position, so nothing is lost
+or repeated. It gives up with ``ServerUnavailable`` after ``timeout`` seconds without hearing from
 the server; until its first Welcome, after ``connect_timeout`` seconds of refused connections.
 The position means the same batch only under the same sequence fingerprint
 (``Welcome.fingerprint``): the link holds to the first one it hears (or the one ``hold_to`` gives
@@ -395,10 +396,21 @@ class Link:
                 # (Refused connections were told once, as such: retrying them is no news.)
                 log.log(logging.DEBUG if self._refused else logging.WARNING,
                         "server %s silent for %.1fs; reconnecting", self.endpoint, now - self._last_heard)
-            self._bye_pending = False
+            bye, self._bye_pending = self._bye_pending, False
             self._close_transport()
-            self.retry_at = now + backoff_delay(self._backoff, self._jitter)
-            self._backoff = min(self._backoff * 2, self.BACKOFF_MAX)
+            if bye:
+                # A server that said bye, or is full, is asked again after a backoff: at once, it
+                # would only say the same again.
+                self.retry_at = now + backoff_delay(self._backoff, self._jitter)
+                self._backoff = min(self._backoff * 2, self.BACKOFF_MAX)
+            else:
+                # After silence, at once, with a Hello that waits in the new socket until the
+                # server answers: the silence itself (3 heartbeats) paces the attempts. A socket
+                # closed for a backoff kept its link from a restarted server for up to the
+                # longest backoff (2 s), whether the wait was jittered or not (simulation of
+                # 1,000 ranks × 100 servers); jitter did not lower the restarted server's peak
+                # of Hellos, which those waiting in open sockets make in any case.
+                self.retry_at = now
         elif now - self._last_sent >= self._heartbeat:
             # With the credit granted so far: the server makes good what it never received.
             self._send(Heartbeat(stream=self._gen, sent=self._granted))
