@@ -30,6 +30,7 @@ on every Hello: batches of a session a later Hello replaced carry an older one a
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import random
@@ -86,7 +87,7 @@ class Item:
     arrays: dict | None = None
 
 
-class Link:
+class Link(abc.ABC):
     """One server connection's protocol state.
 
     Args:
@@ -175,17 +176,17 @@ class Link:
         self._last_heard = self._last_sent = self._hello_sent = self._started = clock()
 
     # -- what the driver supplies ----------------------------------------------------------------
+    @abc.abstractmethod
     def _connect(self) -> None:
         """Open a transport to ``self.transport`` (messages sent before it connects wait for it)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _disconnect(self) -> None:
         """Close the transport; what it had not sent is dropped."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _transmit(self, frames: list[Any]) -> None:
         """Send one message's frames on the open transport."""
-        raise NotImplementedError
 
     def _shares_host(self, local: Any) -> bool:
         """Whether the Unix socket a Welcome offers (``Welcome.local``) is reachable from here."""
@@ -205,7 +206,7 @@ class Link:
         """The transport's connections are being refused now."""
         return False
 
-    def _handshake_done(self) -> None:
+    def _handshake_done(self) -> None:  # noqa: B027 (optional: a driver with nothing to stop leaves it)
         """A Welcome came: whatever watched the transport's handshakes may stop."""
 
     def _detail(self, detail: str) -> str:

@@ -19,6 +19,7 @@ answered, logged with the peer, and the core goes on serving the others.
 
 from __future__ import annotations
 
+import abc
 import enum
 import logging
 import time
@@ -77,7 +78,7 @@ class Sent(enum.Enum):
     GONE = "gone"
 
 
-class ServingCore:
+class ServingCore(abc.ABC):
     """Serves a ``BatchSource`` to any number of connections (see ``Server`` for the arguments).
 
     Args:
@@ -154,11 +155,11 @@ class ServingCore:
         self._probed_at = float("-inf")  # when sessions were last probed for peers gone (_gone_found)
 
     # -- what the driver supplies ----------------------------------------------------------------
+    @abc.abstractmethod
     def _transmit(self, rid: bytes, frames: list[Any]) -> Sent:
         """Send one message's frames to connection ``rid``, never waiting."""
-        raise NotImplementedError
 
-    def _wake(self) -> None:
+    def _wake(self) -> None:  # noqa: B027 (optional: a driver that polls leaves it)
         """Ring the driver: a session has something to send, or a decode it waited for is done
         (called from any thread)."""
 
