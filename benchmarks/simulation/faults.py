@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.simulation.world import Pipe, World
+from benchmarks.simulation.network import Pipe
+from benchmarks.simulation.world import World
 from fuelline.protocol import Batch, Credit, Heartbeat, Hello, encode
 
 __all__ = ["Liar", "schedule_faults", "restart_all", "job_restart"]
