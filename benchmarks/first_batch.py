@@ -66,16 +66,12 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def run(gb: float, row_group_rows: int, world: int, rounds: int, before: str | None, data_dir: Path,
-        results_dir: Path) -> list[Path]:
-    table = table_for(gb, row_group_rows)
-    progress(f"table: {table.rows:,} rows, {table.groups} row groups of {row_group_rows:,} rows in {FILES} files")
-    root, meta = dataset.ensure(data_dir, table)
-    files = sorted((root / "parquet").glob("*.parquet"))
-    warm_page_cache(files)
-    env = environment()
-    readers = [("rank 0 of 1", 0, 1), (f"rank {world - 1} of {world}", world - 1, world)]
-    results: dict[str, dict[str, list[dict[str, float]]]] = {}
+Readings = dict[str, dict[str, list[dict[str, float]]]]  # server → reader → one dict a round
+
+
+def _readings(root: Path, readers: list[tuple[str, int, int]], rounds: int, before: str | None) -> Readings:
+    """Every reader's times, a new server each, round after round, this tree's and ``before``'s in turn."""
+    results: Readings = {}
     with tempfile.TemporaryDirectory(prefix="fuelline-first-batch-") as tmp, ExitStack() as stack:
         trees: list[tuple[str, str | None]] = [("fuelline", None)]
         if before:
@@ -91,10 +87,11 @@ def run(gb: float, row_group_rows: int, world: int, rounds: int, before: str | N
                              f"first batch {got['first_batch_s']:.2f}s")
                     if i:
                         results.setdefault(name, {}).setdefault(who, []).append(got)
-    record: dict[str, Any] = {"benchmark": "first-batch", **env, "parameters": {
-        "gb": round(table.rows * dataset.ROW_BYTES / 1e9, 2), "rows": table.rows, "row_group_rows": row_group_rows,
-        "row_groups": table.groups, "files": FILES, "batch_size": BATCH_SIZE, "rounds": rounds, "before": before,
-        "table_generation_s": meta.get("generation_s")}, "results": {}}
+    return results
+
+
+def _tables(record: dict[str, Any], results: Readings, readers: list[tuple[str, int, int]], before: str | None) -> list[str]:
+    """The markdown table (and the per-round ratios), filling ``record["results"]`` as it goes."""
     lines = [f"## First batch — `fuelline serve` of a {record['parameters']['gb']} GB table to a reader's first batch", "",
              "| server | reader | ready, median s | first batch, median s | min–max s | rounds |", "|---|---|---:|---:|---|---:|"]
     for name, by_reader in results.items():
@@ -110,6 +107,23 @@ def run(gb: float, row_group_rows: int, world: int, rounds: int, before: str | N
             ratios = [a["first_batch_s"] / b["first_batch_s"] for a, b in zip(results["fuelline"][who], results[before][who])]
             record["results"].setdefault("ratios", {})[who] = ratios
             lines.append(f"- {who}: median {statistics.median(ratios):.2f} ({', '.join(f'{r:.2f}' for r in ratios)})")
+    return lines
+
+
+def run(gb: float, row_group_rows: int, world: int, rounds: int, before: str | None, data_dir: Path,
+        results_dir: Path) -> list[Path]:
+    table = table_for(gb, row_group_rows)
+    progress(f"table: {table.rows:,} rows, {table.groups} row groups of {row_group_rows:,} rows in {FILES} files")
+    root, meta = dataset.ensure(data_dir, table)
+    warm_page_cache(sorted((root / "parquet").glob("*.parquet")))
+    env = environment()
+    readers = [("rank 0 of 1", 0, 1), (f"rank {world - 1} of {world}", world - 1, world)]
+    results = _readings(root, readers, rounds, before)
+    record: dict[str, Any] = {"benchmark": "first-batch", **env, "parameters": {
+        "gb": round(table.rows * dataset.ROW_BYTES / 1e9, 2), "rows": table.rows, "row_group_rows": row_group_rows,
+        "row_groups": table.groups, "files": FILES, "batch_size": BATCH_SIZE, "rounds": rounds, "before": before,
+        "table_generation_s": meta.get("generation_s")}, "results": {}}
+    lines = _tables(record, results, readers, before)
     m, src = env["machine"], env.get("source") or {}
     record["machine"]["loadavg_at_end"] = list(os.getloadavg())
     lines += ["", "Notes:", "",

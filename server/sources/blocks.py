@@ -278,10 +278,7 @@ class UnitSource(BatchSource):
         on_loss: Callable[[str], None] | None, history: Sequence[tuple[int, ...]], *, cooperative: bool,
     ) -> Steps:
         plan = self._plan(split, epoch)
-        if history:
-            rows = RankRows(plan, rank, world_size, rank_rows(remaining_order(plan.order, history, self.batch_size), rank, world_size))
-        else:
-            rows = RankRows(plan, rank, world_size)
+        rows = self._rank_rows(plan, rank, world_size, history)
         count = -(-len(rows) // self.batch_size)
         columns = list(self.column_specs(sources))
         reader = BlockReader(
@@ -321,6 +318,14 @@ class UnitSource(BatchSource):
             if stages is not None:
                 stages.forget(owner)
             reader.close()
+
+    def _rank_rows(self, plan: EpochPlan, rank: int, world_size: int, history: Sequence[tuple[int, ...]]) -> RankRows:
+        """A rank's rows of an epoch: its span of the plan, read as the plan is made; after
+        segments at other world sizes, its share of what they left (the whole plan first)."""
+        if not history:
+            return RankRows(plan, rank, world_size)
+        rest = remaining_order(plan.order, history, self.batch_size)
+        return RankRows(plan, rank, world_size, rank_rows(rest, rank, world_size))
 
     def worker_pids(self) -> list[int]:
         """The worker processes running now (none before the first client, or with ``workers`` 0)."""
