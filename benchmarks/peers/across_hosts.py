@@ -19,7 +19,7 @@ and time to first batch "from start" runs from their start.
 from __future__ import annotations
 
 import os
-import select
+import queue
 import signal
 import subprocess
 import threading
@@ -66,17 +66,27 @@ class ServingSide:
         self.procs.append(proc)
         tree = readerlib.ProcTree(proc.pid)
         self.trees.append(tree.__enter__())
-        assert proc.stdout is not None
+        # Lines through a thread and a queue: a select() on the pipe says nothing of lines a
+        # readline already took into its buffer (Ray writes its banner's lines in one go, and the
+        # line it is ready on was never seen).
+        lines: queue.Queue[str | None] = queue.Queue()
+
+        def drain(stream: Any = proc.stdout) -> None:
+            for text in stream:
+                lines.put(text)
+            lines.put(None)
+
+        threading.Thread(target=drain, name=f"stdout-{name}", daemon=True).start()
         deadline = time.monotonic() + READY_TIMEOUT_S
         while (remaining := deadline - time.monotonic()) > 0:
-            if not select.select([proc.stdout], [], [], remaining)[0]:
+            try:
+                line = lines.get(timeout=remaining)
+            except queue.Empty:
                 break
-            line = proc.stdout.readline()
-            if not line:
+            if line is None:
                 raise ReaderFailed(f"{name} exited {proc.wait(timeout=10)} before it was ready "
                                    f"(see {self.logs / f'{name}.log'})")
             if ready(line):
-                threading.Thread(target=lambda: [None for _ in proc.stdout or ()], daemon=True).start()  # drain
                 return line.strip()
         raise ReaderFailed(f"{name} was not ready within {READY_TIMEOUT_S:.0f}s")
 
@@ -153,9 +163,11 @@ def _ray(side: ServingSide, bed: Any, root: Path, seed: int) -> list[str]:
     ray = str(venvs.ENVS["ray"].path / "bin" / "ray")
     h0, h1 = bed.hosts
     env = reader_env(peer)
-    common = ["--block", "--disable-usage-stats", "--include-dashboard=false", "--temp-dir=/dev/shm/ray"]
+    common = ["--block", "--disable-usage-stats", "--temp-dir=/dev/shm/ray"]
+    # (--include-dashboard is the head's alone: a worker node given it exits at once.)
     side.start("ray-head", h0.command([ray, "start", "--head", f"--node-ip-address={h0.address}", f"--port={RAY_PORT}",
-                                       "--num-cpus=1", *common]), env, lambda s: "Ray runtime started" in s)
+                                       "--num-cpus=1", "--include-dashboard=false", *common]), env,
+               lambda s: "Ray runtime started" in s)
     side.start("ray-node", h1.command([ray, "start", f"--address={h0.address}:{RAY_PORT}",
                                        f"--node-ip-address={h1.address}", "--num-cpus=0", *common]), env,
                lambda s: "Ray runtime started" in s)
