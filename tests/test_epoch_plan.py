@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from fuelline.server.sources.blocks import UnitSource
 from fuelline.server.sources.contract import Waiting
-from fuelline.server.sources.options import SourceOptions
 from fuelline.server.sources.ordering import EpochPlan, RankRows, epoch_order, rank_rows, rows_per_rank
+
+from support.workers import FakeUnits
 
 TIMEOUT = 20.0
 
@@ -64,46 +63,20 @@ def test_a_plan_made_on_its_own_thread_is_the_same_order_and_says_when_a_span_is
 
 
 # -- a source served from a plan not yet whole ------------------------------------------------------
-@dataclass(frozen=True)
-class Col:
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
+class RowUnits(FakeUnits):
+    """Units of 1,000 rows, whose ``sample_id`` is each row's global id (u * 1000 + row). It
+    serves the plans it is given, and sets an event per unit once it has been decoded."""
 
-    def to_schema(self) -> dict:
-        return {"dtype": self.dtype, "shape": list(self.shape)}
-
-
-class RowUnits(UnitSource):
-    """Units of one column, ``row``: each row's global id. It records which units were decoded,
-    and an event per unit is set once it has been."""
-
-    def __init__(self, lengths: list[int], **options) -> None:
-        super().__init__(SourceOptions.of(**options))
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        self.starts = np.concatenate([[0], np.cumsum(self.lengths)[:-1]])
-        self._columns = {"row": Col("row", "<i8", ())}
-        self._splits = {"train": None}
-        self.decoded = {u: threading.Event() for u in range(len(lengths))}
-        self.plans: list[EpochPlan] = []  # the plans it serves from, in the order epochs ask
+    def __init__(self, units: int, plans: list[EpochPlan], **options) -> None:
+        super().__init__(units=units, rows=1000, **options)
+        self.plans = plans  # served in the order epochs ask for them
+        self.decoded = {u: threading.Event() for u in range(units)}
 
     def _new_plan(self, split: str, epoch: int) -> EpochPlan:
         return self.plans.pop(0)
 
-    def info(self, split: str) -> dict:
-        return {"kind": "row-units"}
-
-    def fingerprint(self, split: str) -> dict[str, str]:
-        return {"lengths": ",".join(map(str, self.lengths))}
-
-    def unit_rows(self, split: str) -> np.ndarray:
-        return self.lengths
-
-    def column_specs(self, sources: tuple[str, ...]) -> list[Col]:
-        return [self._columns[n] for n in sources]
-
     def decode_unit(self, split: str, u: int, columns) -> dict[str, np.ndarray]:
-        out = {"row": self.starts[u] + np.arange(int(self.lengths[u]), dtype=np.int64)}
+        out = super().decode_unit(split, u, columns)
         self.decoded[u].set()
         return out
 
@@ -123,14 +96,14 @@ class HeldPlan(EpochPlan):
 
 
 def test_a_ranks_first_batch_needs_only_the_blocks_up_to_its_rows() -> None:
-    source = RowUnits([1000] * 40, batch_size=32, seed=5, shuffle=True, shuffle_block=4, decoded_cache_mb=0)
-    plan = HeldPlan(source.unit_rows("train"), 5, 0, True, 4, held=1)  # its thread made block 0 only
-    source.plans.append(plan)
+    lengths = np.full(40, 1000)
+    plan = HeldPlan(lengths, 5, 0, True, 4, held=1)  # its thread made block 0 only
+    source = RowUnits(40, [plan], batch_size=32, seed=5, shuffle=True, shuffle_block=4, decoded_cache_mb=0)
     try:
-        batches = source.iter_batches("train", 0, 0, 2, 0, ("row",))
+        batches = source.iter_batches("train", 0, 0, 2, 0, ("sample_id",))
         first = next(batches)
         assert plan._filled < plan.held + 1, f"{plan._filled} of {plan.n_blocks} blocks made for rank 0's first batch"
-        assert np.array_equal(first["row"], epoch_order(source.unit_rows("train"), 5, 0, True, 4)[:32])
+        assert np.array_equal(first["sample_id"], epoch_order(lengths, 5, 0, True, 4)[:32])
         batches.close()
     finally:
         plan.go.set()
@@ -138,12 +111,12 @@ def test_a_ranks_first_batch_needs_only_the_blocks_up_to_its_rows() -> None:
 
 
 def test_a_serving_loop_waits_for_the_plan_as_for_a_decode_and_the_ranks_units_decode_meanwhile() -> None:
-    source = RowUnits([1000] * 40, batch_size=32, seed=5, shuffle=True, shuffle_block=4, decoded_cache_mb=0)
-    plan = HeldPlan(source.unit_rows("train"), 5, 0, True, 4, held=2)
-    source.plans.append(plan)
+    lengths = np.full(40, 1000)
+    plan = HeldPlan(lengths, 5, 0, True, 4, held=2)
+    source = RowUnits(40, [plan], batch_size=32, seed=5, shuffle=True, shuffle_block=4, decoded_cache_mb=0)
     world, rank = 2, 1  # rank 1's rows start half way through the order: block 5
     try:
-        steps = source.iter_steps("train", 0, rank, world, 0, ("row",))
+        steps = source.iter_steps("train", 0, rank, world, 0, ("sample_id",))
         step = next(steps)
         # The loop is not held while the plan is made: it is told what to wait for, a future
         # not done while the plan's thread is held.
@@ -160,8 +133,8 @@ def test_a_serving_loop_waits_for_the_plan_as_for_a_decode_and_the_ranks_units_d
                 assert isinstance(f, Future)
                 f.result(timeout=TIMEOUT)
             step = next(steps)
-        whole = epoch_order(source.unit_rows("train"), 5, 0, True, 4)
-        assert np.array_equal(step["row"], rank_rows(whole, rank, world)[:32])
+        whole = epoch_order(lengths, 5, 0, True, 4)
+        assert np.array_equal(step["sample_id"], rank_rows(whole, rank, world)[:32])
         steps.close()
     finally:
         plan.go.set()
