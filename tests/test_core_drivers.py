@@ -32,3 +32,16 @@ def test_a_serving_driver_without_transmit_cannot_be_made() -> None:
     with pytest.raises(TypeError, match="_transmit"):
         NoTransmit(None)  # type: ignore[abstract,arg-type]
     assert not getattr(Transmits, "__abstractmethods__", frozenset())
+
+
+def test_every_base_with_hooks_names_them_as_abstract() -> None:
+    # The other bases a subclass must fill in: the serving loop's driver, the worker pool's
+    # supervision, and the 1-bit optimizers' steps.
+    from fuelline.server.serving.listener import Listener
+    from fuelline.server.workers.supervision import WorkerSupervision
+
+    assert Listener.__abstractmethods__ == frozenset({"serve_forever"})
+    assert WorkerSupervision.__abstractmethods__ == frozenset({"_handle", "_describe"})
+    from fuelline.trainer.onebit_momentum import CompressedMomentum
+
+    assert CompressedMomentum.__abstractmethods__ == frozenset({"_warmup_step", "_compressed_step"})

@@ -26,6 +26,7 @@ and :class:`~fuelline.trainer.onebit_sgd.OneBitSGD`, differ in what that vector 
 
 # No ``from __future__ import annotations``: DDP compares a hook's annotations with the
 # GradBucket and Future classes themselves.
+import abc
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -70,7 +71,7 @@ def register_momentum_hook(
     return state
 
 
-class CompressedMomentum(torch.optim.Optimizer):
+class CompressedMomentum(torch.optim.Optimizer, abc.ABC):
     """Base of the 1-bit optimizers: warm-up, phase switch, exchange and saved step count.
 
     Subclasses implement :meth:`_warmup_step` (on averaged gradients) and
@@ -156,8 +157,10 @@ class CompressedMomentum(torch.optim.Optimizer):
                 if buffer is not None:
                     buffer.mul_(self.error_decay)
 
+    @abc.abstractmethod
     def _warmup_step(self) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _compressed_step(self) -> None:
-        raise NotImplementedError
+        ...

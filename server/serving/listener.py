@@ -6,6 +6,7 @@ Unix socket for clients on this host), the pipe that wakes its loop, and its lif
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import secrets
@@ -33,7 +34,7 @@ CONTROL_MESSAGES = 16
 _L = TypeVar("_L", bound="Listener")
 
 
-class Listener:
+class Listener(abc.ABC):
     """The socket side of a server (see ``Server`` for the arguments)."""
 
     def __init__(
@@ -83,8 +84,9 @@ class Listener:
         self._wake_pending = False
         self._thread: threading.Thread | None = None
 
+    @abc.abstractmethod
     def serve_forever(self, ready: Callable[[str], None] | None = None) -> None:
-        raise NotImplementedError
+        ...
 
     # -- lifecycle -----------------------------------------------------------------------------
     def bind(self) -> str:

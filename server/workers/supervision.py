@@ -11,6 +11,7 @@ the other hands tasks out and reads the answers.
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import signal
@@ -77,7 +78,7 @@ def describe_exit(exitcode: int | None) -> str:
 CRASH_SIGNALS = {-s for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT)}
 
 
-class WorkerSupervision:
+class WorkerSupervision(abc.ABC):
     """The process side of ``WorkerPool``: spawning workers, handling their deaths, breaking the
     pool, stopping the workers. ``WorkerPool`` sets the state below and provides ``_handle`` (a
     worker's message) and ``_describe`` (a unit, for messages)."""
@@ -98,11 +99,13 @@ class WorkerSupervision:
     _poisoned: dict[tuple[str, int], str]
     _closed: bool
 
+    @abc.abstractmethod
     def _handle(self, w: _Worker, message: FromWorker) -> None:
-        raise NotImplementedError
+        ...
 
+    @abc.abstractmethod
     def _describe(self, task: _Task) -> str:
-        raise NotImplementedError
+        ...
 
     def _died(self, w: _Worker) -> None:
         w.process.join(self.STOP_TIMEOUT)  # it is gone or going: its pipe or sentinel fired
