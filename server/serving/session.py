@@ -7,12 +7,21 @@ most 2 × hwm batches however slow its client, and a client's memory holds at mo
 The producer starts with the client's first credit: a session never granted any holds no batch,
 so idle connections cost the server next to nothing.
 
-Where it runs: a ``cooperative`` source's batches (one whose decodes run on threads or processes
-of its own: Parquet, aligned windows) are prepared by the serving loop itself, between requests
-(``advance``), a few at a time; where a batch's units are still being decoded the loop serves the
-others and is rung once they are done. One thread then does all of a batch's work, with no
-hand-off of the interpreter lock between a producer and the loop for each batch. Any other source
-(a Fuel-style stream, which may block on anything) gets a producer thread of its own.
+The production is one generator (``_production``) of steps: it queues each item for the loop to
+send and yields; where the next batch's decodes are still running it yields their futures (a
+``Waiting``). Two drivers step it the same way, and differ only in where they wait:
+
+- the serving loop, for a ``cooperative`` source (one whose decodes run on threads or processes of
+  its own: Parquet, aligned windows), between requests (``advance``), a few batches at a time:
+  while a batch's units are decoded it serves the others, and is rung once they are done. One
+  thread then does all of a batch's work, with no hand-off of the interpreter lock between a
+  producer and the loop for each batch;
+- a producer thread of the session's own, for any other source (a Fuel-style stream, which may
+  block on anything): it waits for room in the queue before each step, and for a ``Waiting``'s
+  futures, and rings the loop for what it queued.
+
+Either way a step is taken only while the queue has room, so a session never holds a prepared
+batch beyond its queue.
 
 Credit is believed only as far as an honest client could grant it (``grant``): the server never
 counts more than hwm batches as granted or in flight, and a client that returns credit for more
@@ -26,7 +35,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any, Callable, ContextManager, Generator
 
 import numpy as np
@@ -47,8 +56,9 @@ log = logging.getLogger("fuelline.server")
 # An item ready to send: (kind, frames, bytes of its arrays); kind "batch" needs credit, the others do not.
 Outgoing = tuple[str, list[Any], int]
 # The producer's steps (``_production``): None after each item put, a ``Waiting`` where the next
-# batch waits for decodes (inline only).
+# batch waits for decodes.
 Production = Generator["Waiting | None", None, None]
+_ENDED = object()  # (what ``next`` gives a producer thread for a production that ended)
 
 
 class Session:
@@ -118,10 +128,10 @@ class Session:
         self._stopped = False
         self._producer_waiting = False
         self._thread: threading.Thread | None = None
-        # Prepared on the serving loop's thread (``advance``), not a thread of its own.
+        # Stepped by the serving loop (``advance``), not by a thread of its own.
         self.inline = bool(source.cooperative)
         self._started = False
-        self._steps: Production | None = None  # inline: the producer, while it runs
+        self._steps: Production | None = None  # inline: the production, while it runs
         self._waiting: tuple[Future, ...] = ()  # inline: the decodes its next batch needs
 
     @property
@@ -304,18 +314,12 @@ class Session:
 
     # -- the producer ---------------------------------------------------------------------------
     def _put(self, item: Outgoing) -> bool:
-        """Queue an item for the loop to send; a producer thread waits for room first (an
-        inline one prepares only while there is room: ``advance``). False: the session stopped."""
+        """Queue an item for the loop to send (its driver stepped the production only while the
+        queue had room). False: the session stopped."""
         with self._cond:
-            while len(self._ready) >= self.hwm and not self._stopped and not self.inline:
-                self._producer_waiting = True
-                self._cond.wait(0.5)
-                self._producer_waiting = False
             if self._stopped:
                 return False
             self._ready.append(item)
-        if not self.inline:
-            self._wake()
         return True
 
     def _report_loss(self, message: str) -> None:
@@ -371,8 +375,7 @@ class Session:
             seq += 1
         # The first epoch may be one resumed from another world size (Hello.history).
         history = h.history if h.history and epoch == h.epoch else ()
-        iterate = self._source.iter_steps if self.inline else self._source.iter_batches
-        batches = iterate(h.split, epoch, h.rank, h.world_size, seq, self.sources, on_loss=self._report_loss, history=history)
+        batches = self._source.iter_steps(h.split, epoch, h.rank, h.world_size, seq, self.sources, on_loss=self._report_loss, history=history)
         try:
             for step in batches:
                 yield step if isinstance(step, Waiting) else (step, True)
@@ -400,16 +403,38 @@ class Session:
         return allocating(self.slabs.carve if self.slabs is not None else None)
 
     def _produce(self) -> None:
-        """A producer thread's life."""
+        """A producer thread's life: the production's steps, each once the queue has room; a
+        ``Waiting``'s futures waited for; the loop rung for each item queued."""
         name_this_thread("fl-produce")
-        with self._allocating():
-            for _ in self._production():
-                pass  # (not inline: the source waits for its decodes itself, and _put for room)
+        steps = self._production()
+        try:
+            with self._allocating():
+                while self._room():
+                    step = next(steps, _ENDED)
+                    if step is _ENDED:
+                        return
+                    if isinstance(step, Waiting):
+                        while wait(step.futures, timeout=0.5).not_done and not self._stopped:
+                            pass
+                    else:
+                        self._wake()
+        finally:
+            steps.close()
+            self._wake()  # (an error it queued as it ended)
+
+    def _room(self) -> bool:
+        """A producer thread waits here until the queue has room; False: the session stopped."""
+        with self._cond:
+            while len(self._ready) >= self.hwm and not self._stopped:
+                self._producer_waiting = True
+                self._cond.wait(0.5)
+                self._producer_waiting = False
+            return not self._stopped
 
     def _production(self) -> Production:
         """The producer: every batch of the session's epochs, each put for the loop to send,
         then an end of epoch; an error, put for the client, ends it. Steps: None after each
-        batch put, a ``Waiting`` where the next batch waits for decodes (inline only)."""
+        item put, a ``Waiting`` where the next batch waits for decodes."""
         h = self.hello
         epoch, cursor = h.epoch, h.cursor
         where = f"data server session {self.name} (split {h.split!r}, rank {h.rank} of {h.world_size})"
