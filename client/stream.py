@@ -44,6 +44,41 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """The reader's rank and world size: as given, else torchrun's ``RANK`` and ``WORLD_SIZE``."""
+    r = _env_int("RANK", 0) if rank is None else int(rank)
+    w = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
+    if not 0 <= r < w:
+        raise ValueError(f"rank {r} is outside world size {w}")
+    return r, w
+
+
+def _servers(host: str, port: int, endpoints: Sequence[str] | str | None) -> tuple[str, ...]:
+    """The servers' ``tcp://`` endpoints: ``endpoints`` (a list, or one comma-separated string),
+    else ``host`` and ``port``; each once."""
+    if endpoints is None:
+        port = check_port(port, "port")
+        endpoints = [f"[{host}]:{port}" if ":" in host.strip("[]") else f"{host}:{port}"]
+    elif isinstance(endpoints, str):
+        endpoints = [e for e in endpoints.split(",") if e]
+    if not endpoints:
+        raise ValueError("endpoints must name at least one HOST:PORT")
+    servers = tuple(tcp_endpoint(e, "endpoints") for e in endpoints)
+    if len(set(servers)) != len(servers):
+        raise ValueError(f"endpoints {list(endpoints)} name a server twice")
+    return servers
+
+
+def _per_server(connections: Any) -> int:
+    if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+        raise ValueError(f"connections must be a whole number >= 1, got {connections!r}")
+    return connections
+
+
+def _curve_keys(keys: str | os.PathLike[str] | CurveKeys | None) -> CurveKeys | None:
+    return keys if isinstance(keys, CurveKeys) or keys is None else CurveKeys.from_dir(keys)
+
+
 class ServerDataStream:
     """Reads batches from a fuelline data server, as Fuel's ``ServerDataStream`` did.
 
@@ -157,24 +192,9 @@ class ServerDataStream:
             raise ValueError(f"hwm must be >= 1, got {hwm}")
         if timeout <= 0 or heartbeat <= 0 or connect_timeout <= 0:
             raise ValueError("timeout, connect_timeout and heartbeat must be positive seconds")
-        self.rank = _env_int("RANK", 0) if rank is None else int(rank)
-        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
-        if endpoints is None:
-            port = check_port(port, "port")
-            endpoints = [f"[{host}]:{port}" if ":" in host.strip("[]") else f"{host}:{port}"]
-        elif isinstance(endpoints, str):
-            endpoints = [e for e in endpoints.split(",") if e]
-        if not endpoints:
-            raise ValueError("endpoints must name at least one HOST:PORT")
-        servers = tuple(tcp_endpoint(e, "endpoints") for e in endpoints)
-        if len(set(servers)) != len(servers):
-            raise ValueError(f"endpoints {list(endpoints)} name a server twice")
-        if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
-            raise ValueError(f"connections must be a whole number >= 1, got {connections!r}")
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
         # One entry per connection: a server read over two connections is read as two servers.
-        self.endpoints = tuple(e for e in servers for _ in range(connections))
+        self.endpoints = tuple(e for e in _servers(host, port, endpoints) for _ in range(_per_server(connections)))
         self.endpoint = self.endpoints[0]
         self.split = split
         self.hwm = hwm
@@ -204,7 +224,7 @@ class ServerDataStream:
         self._limits = limits
         self._context = context
         # Loaded now, so a missing key file fails here rather than at the first batch.
-        self._curve = curve_keys if isinstance(curve_keys, CurveKeys) or curve_keys is None else CurveKeys.from_dir(curve_keys)
+        self._curve = _curve_keys(curve_keys)
         self._local = local
         self._shared_memory = shared_memory
         self._conns: list[Connection] = []

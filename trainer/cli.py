@@ -128,23 +128,42 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = build_parser()
     args = p.parse_args(argv)
-    servers = [s for s in args.servers.split(",") if s]
+    args.servers = _servers(p, args.servers)
+    _check_numbers(p, args)
+    _check_optimizer(p, args)
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    if args.model is not None and not re.fullmatch(r"[\w.]+:\w+", args.model):
+        p.error(f"--model: {args.model!r} is not package.module:function")
+    return args
+
+
+def _servers(p: argparse.ArgumentParser, text: str) -> list[str]:
+    """--servers as a list of HOST:PORT, each named once."""
+    servers = [s for s in text.split(",") if s]
     for server in servers:
         try:
             parse_host_port(server, "--servers")
         except ValueError as exc:
             p.error(str(exc))
     if not servers or len(set(servers)) != len(servers):
-        p.error(f"--servers: give each data server once, got {args.servers!r}")
-    args.servers = servers
+        p.error(f"--servers: give each data server once, got {text!r}")
+    return servers
+
+
+def _check_numbers(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.connections < 1:
         p.error(f"--connections must be >= 1, got {args.connections}")
-    if args.resume and not args.checkpoint_dir:
-        p.error("--resume needs --checkpoint-dir")
     if args.epochs < 1:
         p.error("--epochs must be >= 1")
     if (args.warmup_iters != "auto" and args.warmup_iters < 0) or (args.freeze_step != "auto" and args.freeze_step < 1):
         p.error("--warmup-iters must be >= 0 and --freeze-step >= 1 (the variance needs a gradient)")
+    if args.classes is not None and args.classes < 2:
+        p.error("--classes must be >= 2")
+
+
+def _check_optimizer(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The optimizer and compression go together, and lose no accuracy unless the user accepts it."""
     if args.optimizer == "onebit-adam" and args.compression == "fp16":
         p.error("--optimizer onebit-adam compresses the momentum in 1 bit: use --compression onebit --optimizer adam, "
                 "or --compression fp16 --optimizer adam")
@@ -155,8 +174,3 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     reason = refusal(args.optimizer, args.compression, world_size, args.momentum)
     if reason and not args.accept_accuracy_loss:
         p.error(reason)
-    if args.classes is not None and args.classes < 2:
-        p.error("--classes must be >= 2")
-    if args.model is not None and not re.fullmatch(r"[\w.]+:\w+", args.model):
-        p.error(f"--model: {args.model!r} is not package.module:function")
-    return args

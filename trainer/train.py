@@ -215,7 +215,6 @@ class Trainer:
 
     def train_epoch(self) -> dict[str, Any] | None:
         """One epoch (or its rest, after a resume); None if --max-steps stopped it part-way."""
-        args = self.args
         it = self.train.get_epoch_iterator(as_dict=True)
         sums = self.epoch_sums
         sent0, elems0 = self.comm_state.bytes_sent, self.comm_state.elements
@@ -239,40 +238,66 @@ class Trainer:
                 t1 = time.perf_counter()
                 if batch is None:
                     break
-                ids = batch.pop("sample_id").tolist() if "sample_id" in batch else None  # (optional)
-                batch.pop("t_start", None)
-                rows = len(batch[self.spec.label_source])
-                batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-                if self.micro.enabled and self.micro.size is None:
-                    self._probe_micro_batch(batch)
-                self.optimizer.zero_grad(set_to_none=True)
-                self.micro.run(batch, self._forward_backward, lambda: self.optimizer.zero_grad(set_to_none=True), self.ddp.no_sync)
-                self.optimizer.step()
-                check_finite(self.model, self.step + 1, self.last_loss)  # before any checkpoint of it
+                rows, ids = self._train_step(batch)
                 t2 = time.perf_counter()
-                self.step += 1
-                self.steps_this_run += 1
                 steps_here += 1
-                sums["steps"] = sums.get("steps", 0) + 1
-                sums["samples"] = sums.get("samples", 0) + rows
-                sums["wait"] = sums.get("wait", 0.0) + (t1 - t0)
-                sums["step_time"] = sums.get("step_time", 0.0) + (t2 - t1)
+                self._count(rows, t1 - t0, t2 - t1)
                 times.record(t1 - t0, t2 - t1, arrival=t1)
                 self.gpu.maybe_sample(steps_here)
                 progress.update(done + steps_here, sums.get("loss", 0.0) / sums["steps"],
                                 wait_share(sums["wait"], sums["step_time"]))
-                if args.sample_log and ids is not None:
-                    with open(f"{args.sample_log}.rank{self.rank}", "a") as f:
-                        f.write(json.dumps({"step": self.step, "epoch": self.train.state_dict()["epoch"], "ids": ids}) + "\n")
-                if args.checkpoint_every and self.step % args.checkpoint_every == 0:
-                    self.checkpoint()
-                if args.max_steps and self.steps_this_run >= args.max_steps:
-                    if not (args.checkpoint_every and self.step % args.checkpoint_every == 0):
-                        self.checkpoint()
+                self._log_samples(ids)
+                if self._checkpoint_or_stop():
                     return None
         finally:
             progress.close()
-        seconds = time.perf_counter() - started
+        return self._epoch_figures(time.perf_counter() - started, sent0, elems0, times)
+
+    def _train_step(self, batch: dict[str, Any]) -> tuple[int, list[int] | None]:
+        """One optimizer step on a batch: its rows, and its sample ids where it has them."""
+        ids = batch.pop("sample_id").tolist() if "sample_id" in batch else None  # (optional)
+        batch.pop("t_start", None)
+        rows = len(batch[self.spec.label_source])
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        if self.micro.enabled and self.micro.size is None:
+            self._probe_micro_batch(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.micro.run(batch, self._forward_backward, lambda: self.optimizer.zero_grad(set_to_none=True), self.ddp.no_sync)
+        self.optimizer.step()
+        check_finite(self.model, self.step + 1, self.last_loss)  # before any checkpoint of it
+        return rows, ids
+
+    def _count(self, rows: int, wait: float, step_time: float) -> None:
+        self.step += 1
+        self.steps_this_run += 1
+        sums = self.epoch_sums
+        sums["steps"] = sums.get("steps", 0) + 1
+        sums["samples"] = sums.get("samples", 0) + rows
+        sums["wait"] = sums.get("wait", 0.0) + wait
+        sums["step_time"] = sums.get("step_time", 0.0) + step_time
+
+    def _log_samples(self, ids: list[int] | None) -> None:
+        """--sample-log: the sample ids of this step, a JSON line in this rank's file."""
+        if self.args.sample_log and ids is not None:
+            with open(f"{self.args.sample_log}.rank{self.rank}", "a") as f:
+                f.write(json.dumps({"step": self.step, "epoch": self.train.state_dict()["epoch"], "ids": ids}) + "\n")
+
+    def _checkpoint_or_stop(self) -> bool:
+        """A checkpoint every --checkpoint-every steps, and one where --max-steps stops the run
+        (True then)."""
+        args = self.args
+        due = bool(args.checkpoint_every) and self.step % args.checkpoint_every == 0
+        if due:
+            self.checkpoint()
+        if args.max_steps and self.steps_this_run >= args.max_steps:
+            if not due:
+                self.checkpoint()
+            return True
+        return False
+
+    def _epoch_figures(self, seconds: float, sent0: int, elems0: int, times: StepTimes) -> dict[str, Any]:
+        """What an epoch measured; its sums start again for the next."""
+        sums = self.epoch_sums
         sent = self.comm_state.bytes_sent - sent0
         elems = self.comm_state.elements - elems0
         steps = max(1, sums.get("steps", 0))

@@ -91,6 +91,15 @@ class _Digest:
 
     # -- values --------------------------------------------------------------------------------
     def value(self, v: Any, depth: int) -> None:
+        if self._atom(v) or self._code_or_type(v, depth):
+            return
+        if depth > MAX_DEPTH or isinstance(v, (tuple, list, set, frozenset, dict)) and len(v) > MAX_ITEMS:
+            self.put("opaque", f"{_name(type(v))}:{len(v) if hasattr(v, '__len__') else ''}".encode())
+        elif not self._container(v, depth) and not self._bound(v, depth):
+            self.instance(v, depth)
+
+    def _atom(self, v: Any) -> bool:
+        """A value that counts as it is, at any depth: a plain value, an array, a builtin, a module."""
         if isinstance(v, PLAIN):
             self.put(type(v).__name__, repr(v).encode("utf-8", "surrogatepass"))
         elif isinstance(v, np.ndarray):
@@ -98,21 +107,29 @@ class _Digest:
             self.put("data", b"" if v.dtype.hasobject else np.ascontiguousarray(v).tobytes())
         elif isinstance(v, np.generic):
             self.put("numpy", v.dtype.str.encode() + (b"" if v.dtype.hasobject else v.tobytes()))
-        elif isinstance(v, types.CodeType):
-            self.code(v, depth)
-        elif isinstance(v, types.FunctionType):
-            self.function(v, depth)
-        elif isinstance(v, type):
-            self.cls(v, depth)
         elif isinstance(v, (types.BuiltinFunctionType, np.ufunc)):
             self.put("builtin", _name(v).encode())
         elif isinstance(v, types.ModuleType):
             self.put("module", v.__name__.encode())
             if self._followed(v.__name__):
                 self.module_file(v.__name__)
-        elif depth > MAX_DEPTH or isinstance(v, (tuple, list, set, frozenset, dict)) and len(v) > MAX_ITEMS:
-            self.put("opaque", f"{_name(type(v))}:{len(v) if hasattr(v, '__len__') else ''}".encode())
-        elif isinstance(v, (tuple, list)):
+        else:
+            return False
+        return True
+
+    def _code_or_type(self, v: Any, depth: int) -> bool:
+        if isinstance(v, types.CodeType):
+            self.code(v, depth)
+        elif isinstance(v, types.FunctionType):
+            self.function(v, depth)
+        elif isinstance(v, type):
+            self.cls(v, depth)
+        else:
+            return False
+        return True
+
+    def _container(self, v: Any, depth: int) -> bool:
+        if isinstance(v, (tuple, list)):
             self.put(type(v).__name__, str(len(v)).encode())
             for item in v:
                 self.value(item, depth + 1)
@@ -122,7 +139,13 @@ class _Digest:
         elif isinstance(v, dict):
             items = sorted((self._sub(k, depth + 1), self._sub(x, depth + 1)) for k, x in v.items())
             self.put("dict", repr(items).encode())
-        elif isinstance(v, functools.partial):
+        else:
+            return False
+        return True
+
+    def _bound(self, v: Any, depth: int) -> bool:
+        """A partial or a bound method: the function and what is bound to it."""
+        if isinstance(v, functools.partial):
             self.put("partial")
             for part in (v.func, v.args, v.keywords):
                 self.value(part, depth + 1)
@@ -131,7 +154,8 @@ class _Digest:
             self.value(v.__func__, depth + 1)
             self.value(v.__self__, depth + 1)
         else:
-            self.instance(v, depth)
+            return False
+        return True
 
     def code(self, c: types.CodeType, depth: int) -> None:
         # Not the file name nor line numbers: the same code on two mounts, or moved down by a

@@ -78,6 +78,16 @@ def describe_exit(exitcode: int | None) -> str:
 CRASH_SIGNALS = {-s for s in (signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGABRT)}
 
 
+def _log_hint(exitcode: int | None, stuck: bool) -> str:
+    """Where the log holds more of a dead worker: its traceback after a crash, its threads' stacks
+    after its watchdog stopped it."""
+    if exitcode in CRASH_SIGNALS:
+        return "; its traceback (faulthandler) is above in this log"
+    if stuck:
+        return "; where its threads were (faulthandler) is above in this log"
+    return ""
+
+
 class WorkerSupervision(abc.ABC):
     """The process side of ``WorkerPool``: spawning workers, handling their deaths, breaking the
     pool, stopping the workers. ``WorkerPool`` sets the state below and provides ``_handle`` (a
@@ -108,21 +118,8 @@ class WorkerSupervision(abc.ABC):
         ...
 
     def _died(self, w: _Worker) -> None:
-        w.process.join(self.STOP_TIMEOUT)  # it is gone or going: its pipe or sentinel fired
-        if w.process.exitcode is None:
-            w.process.kill()
-            w.process.join(self.STOP_TIMEOUT)
-        how = describe_exit(w.process.exitcode)
-        stuck = (w.task is not None and self.task_timeout is not None and w.process.exitcode == 1
-                 and time.monotonic() - w.task_started >= self.task_timeout)
-        if stuck:
-            how = f"was stuck for more than {self.task_timeout:g}s and stopped by its watchdog"
-        try:  # what it sent before it died still counts (a result, or why it could not start)
-            while self._broken is None and w.conn.poll():
-                self._handle(w, w.conn.recv())
-        except (EOFError, OSError):
-            pass
-        w.conn.close()
+        how, stuck = self._reap(w)
+        self._read_last_words(w)
         if self._broken is not None:
             return  # (its setup failed: the pool broke, and says why)
         task, w.task = w.task, None
@@ -133,16 +130,8 @@ class WorkerSupervision(abc.ABC):
             if task is not None:
                 _fail(task.future, WorkerError(f"{self._describe(task)}: the worker pool was closed"))
             return  # no replacement for a pool that is closing
-        now = time.monotonic()
-        self._restarts.append(now)
-        while self._restarts and self._restarts[0] < now - self.restart_window:
-            self._restarts.popleft()
-        hint = ""
-        if w.process.exitcode in CRASH_SIGNALS:
-            hint = "; its traceback (faulthandler) is above in this log"
-        elif stuck:
-            hint = "; where its threads were (faulthandler) is above in this log"
-        if len(self._restarts) > self.max_restarts:
+        hint = _log_hint(w.process.exitcode, stuck)
+        if self._restarted_too_often():
             if task is not None:
                 with self._lock:
                     self._queue.appendleft(task)  # failed with the rest, with the reason
@@ -155,13 +144,47 @@ class WorkerSupervision(abc.ABC):
         self._workers[w.index] = self._spawn(w.index)
         self.source.counters.add("workers_restarted")
         log.info("worker %d restarted as pid %d", w.index, self._workers[w.index].process.pid)
-        if task is None:
-            return
+        if task is not None:
+            self._retry_or_poison(task, f"{w.name} {how}")
+
+    def _reap(self, w: _Worker) -> tuple[str, bool]:
+        """Wait for a dead worker's process (killed if it lingers): how it ended, in words, and
+        whether its watchdog stopped it, stuck on a task."""
+        w.process.join(self.STOP_TIMEOUT)  # it is gone or going: its pipe or sentinel fired
+        if w.process.exitcode is None:
+            w.process.kill()
+            w.process.join(self.STOP_TIMEOUT)
+        stuck = (w.task is not None and self.task_timeout is not None and w.process.exitcode == 1
+                 and time.monotonic() - w.task_started >= self.task_timeout)
+        if stuck:
+            return f"was stuck for more than {self.task_timeout:g}s and stopped by its watchdog", True
+        return describe_exit(w.process.exitcode), False
+
+    def _read_last_words(self, w: _Worker) -> None:
+        """What a dead worker sent before it died still counts (a result, or why it could not start)."""
+        try:
+            while self._broken is None and w.conn.poll():
+                self._handle(w, w.conn.recv())
+        except (EOFError, OSError):
+            pass
+        w.conn.close()
+
+    def _restarted_too_often(self) -> bool:
+        """Count a restart; whether the pool has now restarted more than it may within its window."""
+        now = time.monotonic()
+        self._restarts.append(now)
+        while self._restarts and self._restarts[0] < now - self.restart_window:
+            self._restarts.popleft()
+        return len(self._restarts) > self.max_restarts
+
+    def _retry_or_poison(self, task: _Task, death: str) -> None:
+        """A task whose worker died (``death``: which, and how): tried once more in another worker;
+        after a second death, failed, and refused from then on."""
         task.deaths += 1
         if task.deaths >= 2:
             message = (
                 f"{self._describe(task)}: a worker process died while decoding it, twice "
-                f"(the last: {w.name} {how}); it is not tried again"
+                f"(the last: {death}); it is not tried again"
             )
             with self._lock:
                 self._poisoned[(task.split, task.unit)] = message
