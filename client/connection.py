@@ -2,7 +2,7 @@
 
 The protocol (position, credit, Welcome checks, silence, reconnects with backoff, resume) is the
 I/O-free ``fuelline.client.link.Link``; this driver gives it a socket, a lock and a thread, and
-the wall clock. It is driven by whichever thread needs it. While the user waits for a batch, the
+the wall clock, and carries out the actions it returns after each call (``_act``). It is driven by whichever thread needs it. While the user waits for a batch, the
 user's own thread receives, decodes and returns it: no hand-off between threads on the hot path
 (a hand-off per batch cost a fifth of loopback throughput). While the user is busy training, a
 keep-alive thread drives it: it decodes and checks what has arrived, one batch per turn, so that
@@ -31,7 +31,7 @@ from typing import Any
 import zmq
 
 from fuelline.client.curve import CurveKeys, HandshakeWatch
-from fuelline.client.link import Item, Link, backoff_delay
+from fuelline.client.link import Connect, Disconnect, HandshakeDone, Item, Link, Transmit, backoff_delay
 from fuelline.client.slabs import ClientSlabs
 from fuelline.protocol import DEFAULT_LIMITS, Hello, Limits, ServerUnavailable, Welcome
 from fuelline.protocol.common.threadnames import name_this_thread
@@ -87,17 +87,20 @@ class Connection(Link):
     def start(self, seek: int, epoch: int, cursor: int, history: tuple = ()) -> None:
         with self._lock:
             self.begin(seek, epoch, cursor, history)
+            self._act()
         self._keepalive.start()
 
     def seek(self, seek: int, epoch: int, cursor: int, history: tuple = ()) -> None:
         """Restart at a position, under a new seek counter; items of older ones are dropped."""
         with self._lock:
             super().seek(seek, epoch, cursor, history)
+            self._act()
 
     def credit(self, seek: int, n: int = 1) -> None:
         """The user took n batches tagged ``seek``: room for n more."""
         with self._lock:
             super().credit(seek, n)
+            self._act()
 
     def take(self, wait: float) -> Item | None:
         """The next item, driving the connection for up to ``wait`` seconds; None if none came.
@@ -119,6 +122,7 @@ class Connection(Link):
                     if left <= 0:
                         return None
                     self._flush_credit(1)  # (about to wait: the server must not idle meanwhile)
+                    self._act()
                     self._step(min(left, self._tick))
             finally:
                 self._in_take = False
@@ -147,6 +151,7 @@ class Connection(Link):
             if self._sock is not None:
                 try:
                     self.say_bye("client closing")
+                    self._act()
                     self._watch.detach()  # before the socket closes (see HandshakeWatch.detach)
                     # A moment for the Bye to leave (on the shared context, close does not block).
                     self._sock.close(linger=200)
@@ -154,6 +159,7 @@ class Connection(Link):
                 except zmq.ZMQError:
                     pass
             self._close_transport()
+            self._act()
             self._items.clear()
 
     @property
@@ -181,6 +187,7 @@ class Connection(Link):
             try:
                 if self._error is None:
                     self._flush_credit(self._credit_group)
+                    self._act()
                     before = self._messages
                     # One message a turn, so the user's thread is never kept waiting for more.
                     self._step(0.0, limit=None if turn is None else 1)
@@ -201,7 +208,9 @@ class Connection(Link):
         then keep the connection alive: heartbeats, silence detection, reconnection."""
         if self._error is not None:
             return
-        if not self.reconnect_due():
+        due = self.reconnect_due()
+        self._act()
+        if not due:
             assert self.retry_at is not None
             time.sleep(max(0.0, min(wait, self.retry_at - time.monotonic())))  # (the caller waits anyway)
             return
@@ -212,6 +221,7 @@ class Connection(Link):
             if refused is not None:
                 self._fail(refused)
         self.tick()
+        self._act()
 
     def _drain_socket(self, limit: int | None = None) -> None:
         for _ in itertools.repeat(None) if limit is None else range(limit):
@@ -222,9 +232,27 @@ class Connection(Link):
             except zmq.Again:
                 return
             self.receive(frames)
+            self._act()  # (before the next message: a Welcome may move the link to another socket)
 
     # -- the link's I/O ---------------------------------------------------------------------------
-    def _connect(self) -> None:
+    def _act(self) -> None:
+        """Carry out what the link returned, in order."""
+        if not self._actions:
+            return
+        for action in self.take_actions():
+            if isinstance(action, Transmit):
+                assert self._sock is not None
+                self._sock.send_multipart(action.frames)
+            elif isinstance(action, Connect):
+                self._connect(action.transport)
+            elif isinstance(action, Disconnect):
+                self._disconnect()
+            elif isinstance(action, HandshakeDone):
+                # Nothing more to learn from the monitor, whose unread events would pile up
+                # for as long as this socket lives.
+                self._watch.detach()
+
+    def _connect(self, transport: str) -> None:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)  # only small control messages go out; never drop a Credit
@@ -232,10 +260,10 @@ class Connection(Link):
         sock.setsockopt(zmq.ROUTING_ID, uuid.uuid4().bytes)
         if self._curve is not None:
             self._curve.apply(sock)
-        if self.transport.startswith("tcp://["):
+        if transport.startswith("tcp://["):
             sock.setsockopt(zmq.IPV6, 1)  # (libzmq leaves IPv6 off: an IPv6 server's address would be refused)
         self._watch.attach(sock)
-        sock.connect(self.transport)
+        sock.connect(transport)
         self._sock = sock
 
     def _disconnect(self) -> None:
@@ -243,10 +271,6 @@ class Connection(Link):
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
-
-    def _transmit(self, frames: list[Any]) -> None:
-        assert self._sock is not None
-        self._sock.send_multipart(frames)
 
     def _shares_host(self, local: Any) -> bool:
         """Whether the server's ipc endpoint is reachable from here: its token file must read
@@ -267,11 +291,6 @@ class Connection(Link):
     @property
     def _refused(self) -> bool:
         return bool(self._watch.refused)
-
-    def _handshake_done(self) -> None:
-        # The handshake is done: nothing more to learn from the monitor, whose unread
-        # events would pile up for as long as this socket lives.
-        self._watch.detach()
 
     def _detail(self, detail: str) -> str:
         """``detail``, and what the handshakes suggest when the server was never heard properly."""

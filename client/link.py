@@ -1,11 +1,15 @@
 """One client connection's protocol, without I/O: the state machine ``Connection`` drives.
 
 A ``Link`` is told what happened (a message's frames arrived, the user took batches, time went
-by) and the time, through its clock; it answers through four hooks its driver supplies: open a
-transport to ``transport``, close it, send a message's frames, and say whether an offered Unix
-socket is reachable from here. It holds no socket, no thread and no lock, and never sleeps or
-waits: ``fuelline.client.connection.Connection`` drives it over a ZeroMQ socket, and a
+by) and the time, through its clock; what it does in answer it returns as actions, in order, to
+whoever drives it (``take_actions``, as h2's ``data_to_send``): ``Connect`` a transport,
+``Disconnect`` it, ``Transmit`` a message's frames, ``HandshakeDone`` (whatever watched the
+transport's handshakes may stop). It asks its driver only what it cannot know itself: whether an
+offered Unix socket is reachable from here, the shared-memory slabs there, and whether the
+transport's connections are being refused. It holds no socket, no thread and no lock, and never
+sleeps or waits: ``fuelline.client.connection.Connection`` drives it over a ZeroMQ socket, and a
 simulation (``benchmarks.simulation``) drives thousands of them on a simulated network and clock.
+A driver carries out the actions a call returned before it calls again.
 
 The link tracks the position after the last batch it received. Batches and ends of epoch must
 come in order: one ahead of the expected position means messages were lost in transit (a TCP
@@ -30,7 +34,6 @@ on every Hello: batches of a session a later Hello replaced carry an older one a
 
 from __future__ import annotations
 
-import abc
 import logging
 import os
 import random
@@ -63,7 +66,7 @@ from fuelline.protocol import (
 )
 from fuelline.protocol.placement import Placement
 
-__all__ = ["Item", "Link", "backoff_delay"]
+__all__ = ["Action", "Connect", "Disconnect", "HandshakeDone", "Item", "Link", "Transmit", "backoff_delay"]
 
 log = logging.getLogger("fuelline.client")
 
@@ -74,6 +77,34 @@ def backoff_delay(backoff: float, rng: random.Random) -> float:
     """The wait before a reconnect: between half of ``backoff`` and all of it, at random, so
     that clients a server restart dropped together do not all come back in the same instant."""
     return backoff / 2 + rng.uniform(0.0, backoff / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class Connect:
+    """Open a transport to ``transport`` (messages sent before it connects wait for it)."""
+
+    transport: str
+
+
+@dataclass(frozen=True, slots=True)
+class Disconnect:
+    """Close the transport; what it had not sent is dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transmit:
+    """Send one message's frames on the open transport (``kind``: the message's type)."""
+
+    frames: list[Any]
+    kind: str
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeDone:
+    """A Welcome came: whatever watched the transport's handshakes may stop."""
+
+
+Action = Connect | Disconnect | Transmit | HandshakeDone
 
 
 @dataclass(frozen=True)
@@ -87,7 +118,7 @@ class Item:
     arrays: dict | None = None
 
 
-class Link(abc.ABC):
+class Link:
     """One server connection's protocol state.
 
     Args:
@@ -173,21 +204,10 @@ class Link(abc.ABC):
         self._backoff = self.BACKOFF_MIN
         self._jitter = rng if rng is not None else random.Random()  # (every client its own draws)
         self.retry_at: float | None = None  # when the next reconnect is due, while the link waits for it
+        self._actions: list[Action] = []  # what the driver is to do, in order (take_actions)
         self._last_heard = self._last_sent = self._hello_sent = self._started = clock()
 
-    # -- what the driver supplies ----------------------------------------------------------------
-    @abc.abstractmethod
-    def _connect(self) -> None:
-        """Open a transport to ``self.transport`` (messages sent before it connects wait for it)."""
-
-    @abc.abstractmethod
-    def _disconnect(self) -> None:
-        """Close the transport; what it had not sent is dropped."""
-
-    @abc.abstractmethod
-    def _transmit(self, frames: list[Any]) -> None:
-        """Send one message's frames on the open transport."""
-
+    # -- what it asks the driver (what the link cannot know) ------------------------------------------
     def _shares_host(self, local: Any) -> bool:
         """Whether the Unix socket a Welcome offers (``Welcome.local``) is reachable from here."""
         return False
@@ -206,12 +226,15 @@ class Link(abc.ABC):
         """The transport's connections are being refused now."""
         return False
 
-    def _handshake_done(self) -> None:  # noqa: B027 (optional: a driver with nothing to stop leaves it)
-        """A Welcome came: whatever watched the transport's handshakes may stop."""
-
     def _detail(self, detail: str) -> str:
         """``detail``, and what the driver knows of why the server was never heard properly."""
         return detail
+
+    # -- what it answers ------------------------------------------------------------------------------
+    def take_actions(self) -> list[Action]:
+        """What the link has to be done since the last call, in order; the driver carries them out."""
+        actions, self._actions = self._actions, []
+        return actions
 
     # -- the user's side -----------------------------------------------------------------------
     def begin(self, seek: int, epoch: int, cursor: int, history: tuple = ()) -> None:
@@ -321,7 +344,7 @@ class Link(abc.ABC):
         )
 
     def _open(self) -> None:
-        self._connect()
+        self._actions.append(Connect(self.transport))
         self._open_now = True
         self._connected = False
         self._say_hello()
@@ -340,14 +363,14 @@ class Link(abc.ABC):
     def _close_transport(self) -> None:
         self._pending_credit = 0  # the next Hello's credit includes it
         if self._open_now:
-            self._disconnect()
+            self._actions.append(Disconnect())
             self._open_now = False
         self._connected = False
 
     def _send(self, msg: Any) -> None:
         if not self._open_now:
             return
-        self._transmit(encode(msg))
+        self._actions.append(Transmit(encode(msg), msg.TYPE))
         self._last_sent = self._clock()
 
     def _fail(self, error: BaseException) -> None:
@@ -502,7 +525,7 @@ class Link(abc.ABC):
         self._backoff = self.BACKOFF_MIN
         self._server_heartbeat = msg.heartbeat
         self.welcome = msg
-        self._handshake_done()
+        self._actions.append(HandshakeDone())
         if msg.local is not None and self.transport == self.endpoint and self._local and self._shares_host(msg.local):
             # The same session again over the Unix socket: the Hello there replaces this
             # one, and asks for the credit this one held back.

@@ -4,10 +4,10 @@ its training steps, which take one batch at a time from its links in turn."""
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from benchmarks.simulation.network import Pipe
-from fuelline.client.link import Item, Link
+from fuelline.client.link import Connect, Disconnect, Item, Link, Transmit
 from fuelline.protocol import Hello
 
 if TYPE_CHECKING:
@@ -27,24 +27,24 @@ class SimLink(Link):
                          timeout=cfg.timeout, local=False, clock=lambda: world.loop.now, rng=jitter)
         self.world, self.rank, self.server = world, rank, server
         self.pipe: Pipe | None = None
-        self._kind = ""
         self.first_after_restart: float | None = None
 
-    def _send(self, msg: Any) -> None:
-        self._kind = msg.TYPE
-        super()._send(msg)
+    def act(self) -> None:
+        """Carry out what the link returned, in order (after every call into it)."""
+        for action in self.take_actions():
+            if isinstance(action, Transmit):
+                assert self.pipe is not None
+                self.world.to_server(self.pipe, [bytes(memoryview(f)) for f in action.frames], action.kind)
+            elif isinstance(action, Connect):
+                self.pipe = self.world.new_pipe(self)
+            elif isinstance(action, Disconnect):
+                self.vanish()
 
-    def _connect(self) -> None:
-        self.pipe = self.world.new_pipe(self)
-
-    def _disconnect(self) -> None:
+    def vanish(self) -> None:
+        """Its pipe closes (a Disconnect; or the rank killed, without a word)."""
         if self.pipe is not None:
             self.pipe.open = False
             self.pipe = None
-
-    def _transmit(self, frames: list[Any]) -> None:
-        assert self.pipe is not None
-        self.world.to_server(self.pipe, [bytes(memoryview(f)) for f in frames], self._kind)
 
     def _heartbeat_or_retry(self, now: float) -> None:
         heard = max(self._last_heard, self._hello_sent)
@@ -77,6 +77,7 @@ class Rank:
             link = SimLink(w, self, k, w.jitter_rng())
             self.links.append(link)
             link.begin(w.job, epoch, seq)
+            link.act()
         w.loop.after(w.cfg.step * w.rng.random(), self.step)
         w.loop.after(w.tick * w.rng.random(), self.keep_alive, w.job)
 
@@ -95,7 +96,7 @@ class Rank:
         """kill -9: the links vanish without a word; what they held and the rank had not taken is lost."""
         self.alive = False
         for link in self.links:
-            link._disconnect()
+            link.vanish()
         self.links = []
 
     def step(self) -> None:
@@ -122,6 +123,7 @@ class Rank:
             for link in self.links:
                 link.say_bye("done")
                 link._close_transport()
+                link.act()
             self.alive = False
             w.finished += 1
             return
@@ -140,6 +142,7 @@ class Rank:
             self.complete += 1
         if item.kind == "batch":
             link.credit(item.seek, 1)
+            link.act()
 
     def keep_alive(self, job: int) -> None:
         """Each link's keep-alive turn: reconnect once a backoff is over, return credit, heartbeats."""
@@ -147,10 +150,13 @@ class Rank:
         if not self.alive or job != w.job:
             return
         for link in self.links:
-            if link._error is not None or not link.reconnect_due():
+            due = link._error is None and link.reconnect_due()
+            link.act()
+            if not due:
                 continue
             link._flush_credit(link._credit_group)
             link.tick()
+            link.act()
             if link._undelivered > w.cfg.hwm:
                 w.violate(f"credit: rank {self.index} holds {link._undelivered} batches of {link.endpoint} (hwm {w.cfg.hwm})")
         w.loop.after(w.tick, self.keep_alive, job)

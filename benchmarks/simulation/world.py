@@ -149,6 +149,7 @@ class World:
             return
         before = link._undelivered
         link.receive(frames)
+        link.act()
         if link._undelivered > before:
             host = self.hosts[pipe.server]
             if link.first_after_restart is None and host.incarnation > 1 and self.loop.now >= self.restarted_at:
