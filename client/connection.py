@@ -2,7 +2,8 @@
 
 The protocol (position, credit, Welcome checks, silence, reconnects with backoff, resume) is the
 I/O-free ``fuelline.client.link.Link``; this driver gives it a socket, a lock and a thread, and
-the wall clock, and carries out the actions it returns after each call (``_act``). It is driven by whichever thread needs it. While the user waits for a batch, the
+the wall clock, and carries out the actions it returns after each call (``_act``). It is driven
+by whichever thread needs it. While the user waits for a batch, the
 user's own thread receives, decodes and returns it: no hand-off between threads on the hot path
 (a hand-off per batch cost a fifth of loopback throughput). While the user is busy training, a
 keep-alive thread drives it: it decodes and checks what has arrived, one batch per turn, so that

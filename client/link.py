@@ -9,7 +9,7 @@ offered Unix socket is reachable from here, the shared-memory slabs there, and w
 transport's connections are being refused. It holds no socket, no thread and no lock, and never
 sleeps or waits: ``fuelline.client.connection.Connection`` drives it over a ZeroMQ socket, and a
 simulation (``benchmarks.simulation``) drives thousands of them on a simulated network and clock.
-A driver carries out the actions a call returned before it calls again.
+A driver carries out the actions of one call before it makes the next.
 
 The link tracks the position after the last batch it received. Batches and ends of epoch must
 come in order: one ahead of the expected position means messages were lost in transit (a TCP
@@ -232,7 +232,7 @@ class Link:
 
     # -- what it answers ------------------------------------------------------------------------------
     def take_actions(self) -> list[Action]:
-        """What the link has to be done since the last call, in order; the driver carries them out."""
+        """What the link needs done since the last call, in order; the driver carries it out."""
         actions, self._actions = self._actions, []
         return actions
 
