@@ -63,6 +63,16 @@ def _truncate_jsonl(path: str, keep) -> None:
     os.replace(f"{path}.tmp", path)
 
 
+def _check_val_split(info: Mapping[str, Any], servers: Any) -> None:
+    """A dataset with a val split to evaluate on: found now, not after the first epoch's training."""
+    splits = sorted(info.get("splits") or ())
+    if "val" not in splits:
+        raise DataError(
+            f"the data server at {servers} serves no 'val' split to evaluate on (it has {splits}): serve "
+            "a dataset with a val/ folder, or convert with a --val-fraction that leaves whole recordings for val"
+        )
+
+
 class Trainer:
     def __init__(self, args, rank: int, world: int, device: torch.device) -> None:
         self.args, self.rank, self.world, self.device = args, rank, world, device
@@ -74,12 +84,7 @@ class Trainer:
         self.train = ServerDataStream(None, split="train", **common)
         self.val = ServerDataStream(None, split="val", **common)
         info = self.train.info
-        splits = sorted(info.get("splits") or ())
-        if "val" not in splits:  # (found now, not after the first epoch's training)
-            raise DataError(
-                f"the data server at {args.servers} serves no 'val' split to evaluate on (it has {splits}): serve "
-                "a dataset with a val/ folder, or convert with a --val-fraction that leaves whole recordings for val"
-            )
+        _check_val_split(info, args.servers)
         if args.label_source is None:
             args.label_source = info.get("label") or "label"
         self.model, self.spec, self.heads, counts = build_model(
@@ -90,9 +95,7 @@ class Trainer:
         self._size_warmup()
         self.comm_state = self._register_hook()
         self.optimizer = make_optimizer(args, self.ddp, self.comm_state)
-        self.weights = class_weights(counts).to(device) if args.class_weights and counts is not None else None
-        if args.class_weights and counts is None and rank == 0:
-            log.info("the server gives no class counts: class weights off")
+        self.weights = self._class_weights(counts)
         # One head has nothing to be weighted against.
         self.weighting = make_weighting(args.weighting, self.heads) if len(self.heads) > 1 else None
         self.alphas = {m: 1.0 for m in self.heads}
@@ -108,6 +111,16 @@ class Trainer:
             per_class = "not given by the server" if counts is None else counts
             log.info("classes %s, train examples per class %s, class weights %s", self.classes, per_class,
                      "off" if self.weights is None else [round(w, 2) for w in self.weights.tolist()])
+
+    def _class_weights(self, counts: Any) -> torch.Tensor | None:
+        """--class-weights from the server's class counts; off where it gives none."""
+        if not self.args.class_weights:
+            return None
+        if counts is None:
+            if self.rank == 0:
+                log.info("the server gives no class counts: class weights off")
+            return None
+        return class_weights(counts).to(self.device)
 
     def _size_warmup(self) -> None:
         """Resolve ``auto`` warm-ups from the run's length, and say once when 1-bit starts (or

@@ -6,11 +6,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+from typing import TYPE_CHECKING, Any, Mapping
 
 from fuelline.protocol import DataError, OptionError
 from fuelline.protocol.common.argtypes import listen_port, non_negative_float, non_negative_int, positive_int, seconds
 from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS
 from fuelline.server.sources.options import SourceOptions
+
+if TYPE_CHECKING:  # (the server's modules are imported when it serves, not to parse its options)
+    from fuelline.server.serving.server import Server
+    from fuelline.server.sources.contract import BatchSource
 
 __all__ = ["register", "run"]
 
@@ -142,7 +147,7 @@ def _open_source(args: argparse.Namespace):
     return ParquetSource(args.dataset, options, stages=stages)
 
 
-def _describe(info: dict) -> str:
+def _describe(info: Mapping[str, Any]) -> str:
     if info["kind"] == "multimodal-windows":
         dropped = ", ".join(f"{k}: {v}" for k, v in info["dropped"].items()) or "none"
         return f"windows of {info['recordings']} recordings; dropped {dropped}"
@@ -220,17 +225,11 @@ def _run_processes(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fuelline.server.serving.keys import CurveConfig, is_loopback
+    from fuelline.server.serving.keys import CurveConfig
     from fuelline.server.serving.server import Server
     from fuelline.server.serving.start import serve_until_signalled
 
-    if not args.curve_keys and not args.insecure and not is_loopback(args.host):
-        raise DataError(
-            f"refusing to serve on --host {args.host} without --curve-keys: anyone who can reach the port could "
-            "read the data. Create keys (`fuelline keygen keys/`, `fuelline keygen ckeys/ --name client`, then copy "
-            "keys/server.key to ckeys/ and ckeys/client.key to keys/authorized/) and serve with --curve-keys keys/; "
-            "or pass --insecure on a network that is private by other means"
-        )
+    _check_exposure(args)
     curve = CurveConfig.from_dir(args.curve_keys) if args.curve_keys else None  # before the dataset: fail fast
     if args.status_interval < 0:
         raise DataError(f"--status-interval must be >= 0 seconds, got {args.status_interval}")
@@ -244,13 +243,7 @@ def run(args: argparse.Namespace) -> int:
         source = _open_source(args)
     except OptionError as exc:  # (a library error names the argument; here the flag)
         raise DataError(f"{flag(exc.option)} {exc.rule}") from None
-    for split in source.splits:
-        info = source.info(split)
-        log.info(
-            "split %r: %d rows (%s); %d batches of %d per epoch at world size 1; up to %.0f MB held per client",
-            split, info["rows"], _describe(info), source.batches_per_epoch(split, 0, 1),
-            args.batch_size, source.memory_per_client(split) / 1e6,
-        )
+    _log_splits(source, args.batch_size)
     server = Server(source, host=args.host, port=args.port, hwm=args.hwm, heartbeat=args.heartbeat, checksum=args.checksum,
                     curve=curve, status_interval=args.status_interval, memory_cache=args.memory_cache,
                     local_ipc=args.local_ipc, shared_memory=args.shared_memory, insecure=args.insecure, max_clients=args.max_clients,
@@ -261,26 +254,9 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         raise DataError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
     if args.metrics_port is not None:
-        from fuelline.server.serving.metrics import serve_metrics
-
-        try:
-            bound = serve_metrics(server, args.metrics_port, args.metrics_host)
-        except OSError as exc:
-            raise DataError(f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: {exc}") from None
-        if args.serving_process is not None:
-            from fuelline.server.serving.processes import METRICS_LINE
-
-            print(METRICS_LINE.format(port=bound), flush=True)
-    if args.serving_group is not None and args.serving_process is not None and server.local is not None:
-        from fuelline.server.serving.local_group import LocalGroup
-
-        group = LocalGroup(args.serving_group, args.serving_process)
-        try:
-            group.publish(server.local)
-            server.local_offer = group.offer
-        except OSError as exc:  # (a full /dev/shm, say): serve, offering only this process's own socket
-            log.warning("cannot tell the other serving processes of this one's Unix socket (%s): clients on this "
-                        "host that reach it over TCP stay with it", exc)
+        _serve_metrics(server, args)
+    if args.serving_process is not None:
+        _join_serving_group(server, args)
     if args.serving_processes is not None:
         server.serving_processes = args.serving_processes
     if args.supervisor_link is not None:
@@ -290,3 +266,54 @@ def run(args: argparse.Namespace) -> int:
     finally:
         source.close()  # worker processes, prefetch threads (a stage still running is abandoned)
     return 0
+
+
+def _check_exposure(args: argparse.Namespace) -> None:
+    """No unencrypted serving beyond loopback unless the user says the network is private."""
+    from fuelline.server.serving.keys import is_loopback
+
+    if not args.curve_keys and not args.insecure and not is_loopback(args.host):
+        raise DataError(
+            f"refusing to serve on --host {args.host} without --curve-keys: anyone who can reach the port could "
+            "read the data. Create keys (`fuelline keygen keys/`, `fuelline keygen ckeys/ --name client`, then copy "
+            "keys/server.key to ckeys/ and ckeys/client.key to keys/authorized/) and serve with --curve-keys keys/; "
+            "or pass --insecure on a network that is private by other means"
+        )
+
+
+def _log_splits(source: BatchSource, batch_size: int) -> None:
+    for split in source.splits:
+        info = source.info(split)
+        log.info(
+            "split %r: %d rows (%s); %d batches of %d per epoch at world size 1; up to %.0f MB held per client",
+            split, info["rows"], _describe(info), source.batches_per_epoch(split, 0, 1),
+            batch_size, source.memory_per_client(split) / 1e6,
+        )
+
+
+def _serve_metrics(server: Server, args: argparse.Namespace) -> None:
+    """--metrics-port; a serving process of several says where, for its supervisor to merge."""
+    from fuelline.server.serving.metrics import serve_metrics
+
+    try:
+        bound = serve_metrics(server, args.metrics_port, args.metrics_host)
+    except OSError as exc:
+        raise DataError(f"--metrics-port: cannot listen on {args.metrics_host}:{args.metrics_port}: {exc}") from None
+    if args.serving_process is not None:
+        from fuelline.server.serving.processes import METRICS_LINE
+
+        print(METRICS_LINE.format(port=bound), flush=True)
+
+
+def _join_serving_group(server: Server, args: argparse.Namespace) -> None:
+    """One of several serving processes: offer clients on this host the group's Unix sockets in turn."""
+    if args.serving_group is not None and server.local is not None:
+        from fuelline.server.serving.local_group import LocalGroup
+
+        group = LocalGroup(args.serving_group, args.serving_process)
+        try:
+            group.publish(server.local)
+            server.local_offer = group.offer
+        except OSError as exc:  # (a full /dev/shm, say): serve, offering only this process's own socket
+            log.warning("cannot tell the other serving processes of this one's Unix socket (%s): clients on this "
+                        "host that reach it over TCP stay with it", exc)
