@@ -178,15 +178,21 @@ ODD = {
     "bool": np.arange(999) % 3 == 0,
     "strided": np.arange(400_000, dtype=np.int64).reshape(800, 500)[:, ::3],
     "big-endian": np.arange(70_001, dtype=">f8"),
-    "large": np.random.default_rng(0).random((300, 3001), dtype=np.float32),  # many copy blocks, a ragged last
+    "large": np.random.default_rng(0).random((300, 3001), dtype=np.float32),  # a ragged last block
 }
 
 
+@pytest.mark.parametrize("block", [None, 64 * 1024], ids=["default-blocks", "64KiB-blocks"])
 @pytest.mark.parametrize("name", list(ODD))
-def test_a_copied_batch_has_the_digest_and_checksums_of_the_batch(name: str) -> None:
-    """The copy is checksummed as it is made; those checksums must be the ones of its bytes."""
+def test_a_copied_batch_has_the_digest_and_checksums_of_the_batch(name: str, block: int | None,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is checksummed as it is made; those checksums must be the ones of its bytes,
+    whether an array is copied in one block or in many (a ragged last one among them)."""
+    from fuelline.protocol import arrays
     from fuelline.protocol.arrays import checksum, copy_with_checksum
 
+    if block is not None:
+        monkeypatch.setattr(arrays, "COPY_BLOCK", block)
     value = ODD[name]
     copy, check = copy_with_checksum(value)
     assert copy.flags.c_contiguous and copy.dtype == value.dtype and np.array_equal(copy, value)
