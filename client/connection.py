@@ -8,12 +8,14 @@ user's own thread receives, decodes and returns it: no hand-off between threads 
 (a hand-off per batch cost a fifth of loopback throughput). While the user is busy training, a
 keep-alive thread drives it: it decodes and checks what has arrived, one batch per turn, so that
 the user's next ``take`` finds it ready (decoding a 3 MB batch and checking its checksum is a few
-hundred microseconds a step that would otherwise count as waiting for data); it sends heartbeats
-and notices a silent server. Its turns come every half millisecond while batches arrive and back
-off to 20 ms when none do; it stays out of the way of a user who comes back for the next batch at
-once (that user decodes its own batches, on the hot path above), and never waits for the lock,
-which the user's thread holds while it drives. Prefetch needs no thread of ours: the server may
-send up to ``hwm`` batches, which libzmq's I/O thread receives meanwhile.
+hundred microseconds a step that would otherwise count as waiting for data); it returns credit,
+sends heartbeats and notices a silent server. It sleeps in ``poll`` on the socket's own file
+descriptor (``ZMQ_FD``), holding neither the lock nor the interpreter's, and takes a turn when
+libzmq has news for the socket, or every 20 ms at the least. It wakes for what arrives, not on a
+timer: each wake-up takes the interpreter lock from a user whose training step holds it. It leaves
+the connection to a user's thread that is in ``take`` (the thread says so before it waits for the
+lock): that thread decodes its own batches, on the hot path above. Prefetch needs no thread of
+ours: the server may send up to ``hwm`` batches, which libzmq's I/O thread receives meanwhile.
 
 Over CURVE, a refused handshake is silence to the socket: a ``HandshakeWatch`` tells the client
 why. A Welcome that offers the server's Unix socket moves the connection there when the server's
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import select
 import threading
 import time
 import uuid
@@ -50,10 +54,7 @@ class Connection(Link):
         context: the ZeroMQ context its sockets belong to (the process's shared one by default).
     """
 
-    # Seconds between the keep-alive thread's turns while batches arrive; None: a turn every
-    # quarter heartbeat only, taking in everything there is.
-    READ_AHEAD_TURN: float | None = 0.0005
-    READ_AHEAD_IDLE = 0.02  # the longest pause between turns while nothing arrives
+    READ_AHEAD_IDLE = 0.02  # the keep-alive thread's longest sleep between turns
 
     def __init__(
         self,
@@ -80,8 +81,12 @@ class Connection(Link):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._keepalive = threading.Thread(target=self._keep_alive, name=f"fuelline-keepalive-{endpoint}", daemon=True)
-        self._taken_at = 0.0  # when the user's thread last took an item
-        self._in_take = False  # the user's thread is in take(), waiting for an item
+        self._in_take = False  # the user's thread is in take() (set before it waits for the lock)
+        # Rings the keep-alive thread: credit to return, or closing. One byte until it has woken.
+        self._wake: tuple[int, int] | None = os.pipe()
+        for fd in self._wake:
+            os.set_blocking(fd, False)
+        self._nudged = False
         self._sock: zmq.Socket | None = None
 
     # -- the user's side -----------------------------------------------------------------------
@@ -102,6 +107,8 @@ class Connection(Link):
         with self._lock:
             super().credit(seek, n)
             self._act()
+            if self._pending_credit >= self._credit_group:
+                self._nudge()  # (the keep-alive thread returns it while the user trains)
 
     def take(self, wait: float) -> Item | None:
         """The next item, driving the connection for up to ``wait`` seconds; None if none came.
@@ -110,12 +117,11 @@ class Connection(Link):
             ServerUnavailable, RemoteError, ProtocolError: the connection has failed.
         """
         deadline = time.monotonic() + wait
-        with self._lock:
-            self._in_take = True
-            try:
+        self._in_take = True  # (before the lock: the keep-alive thread leaves it alone from now)
+        try:
+            with self._lock:
                 while True:
                     if self._items:
-                        self._taken_at = time.monotonic()
                         return self._items.popleft()
                     if self._error is not None:
                         raise self._error
@@ -125,8 +131,8 @@ class Connection(Link):
                     self._flush_credit(1)  # (about to wait: the server must not idle meanwhile)
                     self._act()
                     self._step(min(left, self._tick))
-            finally:
-                self._in_take = False
+        finally:
+            self._in_take = False
 
     def hold_to(self, fingerprint: dict[str, str], where: str) -> None:
         with self._lock:
@@ -146,8 +152,13 @@ class Connection(Link):
 
     def close(self) -> None:
         self._stop.set()
+        self._nudge()
         if self._keepalive.is_alive():
             self._keepalive.join(5.0)
+        if self._wake is not None and not self._keepalive.is_alive():  # (else its poll may still watch it)
+            wake, self._wake = self._wake, None
+            for fd in wake:
+                os.close(fd)
         with self._lock:
             if self._sock is not None:
                 try:
@@ -170,38 +181,77 @@ class Connection(Link):
     # -- keep-alive thread ---------------------------------------------------------------------
     def _keep_alive(self) -> None:
         name_this_thread("fl-keepalive")
-        interval = self._tick if self.READ_AHEAD_TURN is None else self.READ_AHEAD_TURN
-        while not self._stop.wait(interval):
-            # If the user's thread holds the lock, it is driving the connection itself.
-            turn = self.READ_AHEAD_TURN
-            if turn is not None and (self._in_take or time.monotonic() - self._taken_at < 2 * turn):
-                # The user is waiting for a batch, or came for one a moment ago and will be back
-                # as soon: a consumer that outpaces the data decodes its own batches, and a turn
-                # here would only take the GIL from it.
-                interval = self.READ_AHEAD_IDLE if self._in_take else 8 * turn
+        idle = min(self.READ_AHEAD_IDLE, self._tick)
+        assert self._wake is not None
+        poller = select.poll()
+        poller.register(self._wake[0], select.POLLIN)
+        watched: int | None = None  # the file descriptor of the socket the poller watches
+        more = False  # the last turn left a message to read
+        while not self._stop.is_set():
+            if self._in_take:
+                self._stop.wait(idle)  # (the user's thread drives the connection meanwhile)
+            elif not more:
+                poller.poll(idle * 1000)  # news for the socket, a nudge, or the longest sleep
+            if self._nudged:
+                self._drain_wake()
+            more = False
+            if self._stop.is_set() or self._in_take:
                 continue
-            if not self._lock.acquire(blocking=False):
-                # Back soon: the user may be about to train.
-                interval = self._tick if turn is None else 2 * turn
+            # Held for a moment (credit, a seek): take() says so before it waits for the lock.
+            if not self._lock.acquire(timeout=idle):
                 continue
-            received = 0
             try:
-                if self._error is None:
-                    self._flush_credit(self._credit_group)
-                    self._act()
-                    before = self._messages
-                    # One message a turn, so the user's thread is never kept waiting for more.
-                    self._step(0.0, limit=None if turn is None else 1)
-                    received = self._messages - before
-            except Exception as exc:  # a bug must surface in the user's thread, not vanish here
-                log.exception("client keep-alive for %s failed", self.endpoint)
-                self._error = exc
+                fd = watched
+                if not self._in_take:  # (it came while this thread waited for the lock)
+                    fd, more = self._read_ahead()
             finally:
                 self._lock.release()
-            if turn is None:
-                interval = self._tick
-            else:
-                interval = turn if received > 0 else min(2 * interval, self.READ_AHEAD_IDLE, self._tick)
+            if fd != watched:
+                if watched is not None:
+                    poller.unregister(watched)
+                if fd is not None:
+                    poller.register(fd, select.POLLIN)
+                watched = fd
+
+    def _nudge(self) -> None:
+        """Wake the keep-alive thread (a nudge it has not woken for yet is not repeated; one lost
+        in a race with its drain waits for its next turn, ``READ_AHEAD_IDLE`` at most)."""
+        wake = self._wake
+        if not self._nudged and wake is not None:
+            self._nudged = True
+            try:
+                os.write(wake[1], b"x")
+            except OSError:  # (full: it is due to wake anyway)
+                pass
+
+    def _drain_wake(self) -> None:
+        self._nudged = False  # (before the read: a nudge after it rings again)
+        try:
+            while self._wake is not None and os.read(self._wake[0], 64):
+                pass
+        except OSError:
+            pass
+
+    def _read_ahead(self) -> tuple[int | None, bool]:
+        """The keep-alive thread's turn (with the lock held): credit back, one message in (so the
+        user's thread is never kept waiting for more), the connection kept alive. Returns the
+        socket's file descriptor to poll (None: no socket) and whether a message waits already."""
+        try:
+            if self._error is None:
+                self._flush_credit(self._credit_group)
+                self._act()
+                self._step(0.0, limit=1)
+            if self._sock is None or self._error is not None:
+                return None, False
+            # ZMQ_FD signals an edge: what arrived while this turn read is only seen in ZMQ_EVENTS
+            # (which also makes the next arrival signal again).
+            fd, events = self._sock.getsockopt(zmq.FD), self._sock.getsockopt(zmq.EVENTS)
+            assert isinstance(fd, int) and isinstance(events, int)
+            return fd, bool(events & zmq.POLLIN)
+        except Exception as exc:  # a bug must surface in the user's thread, not vanish here
+            log.exception("client keep-alive for %s failed", self.endpoint)
+            self._error = exc
+            return None, False
 
     # -- driving the link (call with the lock held) ------------------------------------------------
     def _step(self, wait: float, limit: int | None = None) -> None:

@@ -11,8 +11,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from fuelline.client import ServerDataStream
+from fuelline.client.connection import Connection
 from fuelline.protocol import ServerUnavailable
 from fuelline.server.sources.sample import expected_features
+
+from support.processes import wait_until
 
 TIMEOUT = 20.0
 
@@ -255,3 +258,53 @@ def test_batches_are_decoded_ahead_while_the_user_is_busy(sample_dataset: Path, 
         rest = list(it)
     ids = np.concatenate([first["sample_id"], *(b["sample_id"] for b in rest)])
     assert sorted(ids.tolist()) == list(range(8000))  # nothing lost or repeated on the way
+
+
+# A Fuel-style stream whose batches come one every 10 ms, to a client that has credit for them all.
+TRICKLE_SERVER = """
+import time
+import numpy as np
+from fuelline.server import start_server
+
+class Trickle:
+    sources = ("x",)
+
+    def get_epoch_iterator(self, **kwargs):
+        for i in range(100_000):
+            time.sleep(0.01)
+            yield (np.full((4, 4), i, np.float32),)
+
+start_server(Trickle(), port=0, hwm=64, heartbeat=10.0)
+"""
+
+
+def test_the_keepalive_thread_wakes_for_what_arrives_not_on_a_timer(start_script, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the user trains, the keep-alive thread takes in each batch as it arrives: about a turn
+    a batch, and one every ``READ_AHEAD_IDLE`` at most besides. Each turn takes the interpreter lock
+    from a training step that holds it; a thread that polled on a timer (every half millisecond
+    after a batch, backing off) took four or five turns a batch here."""
+    turns: list[float] = []
+    step = Connection._step
+
+    def counted(self: Connection, wait: float, limit: int | None = None) -> None:
+        if threading.current_thread().name.startswith("fuelline-keepalive-"):
+            turns.append(time.monotonic())
+        step(self, wait, limit)
+
+    monkeypatch.setattr(Connection, "_step", counted)
+    server = start_script(TRICKLE_SERVER)
+    with ServerDataStream(("x",), port=server.port, hwm=64, heartbeat=10.0, timeout=TIMEOUT,
+                          receive_timeout=TIMEOUT) as stream:
+        it = stream.get_epoch_iterator()
+        next(it)
+        (conn,) = stream._conns
+        # The user "trains": it takes nothing while 40 batches arrive.
+        received, taken = conn._messages, len(turns)
+        took = wait_until(lambda: conn._messages - received >= 40, TIMEOUT, "40 batches while the user trains")
+        arrived, turned = conn._messages - received, len(turns) - taken
+        ready = len(conn._items)
+        assert ready >= 40, f"only {ready} of the batches that arrived were taken in while the user trained"
+        first = next(it)
+    assert first[0].shape == (4, 4)
+    assert turned <= 2 * arrived + took / Connection.READ_AHEAD_IDLE, (
+        f"{turned} keep-alive turns for {arrived} batches in {took:.2f}s")
