@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any, Callable
 
 import zmq
 
@@ -29,6 +30,18 @@ def _ids(stream: ServerDataStream) -> list[int]:
     return [int(i) for (batch,) in stream.get_epoch_iterator() for i in batch]
 
 
+def _cut_while(proxy: TcpProxy, action: Callable[[], Any]) -> tuple[int, Any]:
+    """Arm a cut for the server's next chunk, then do ``action``; (connections cut, its result)."""
+    cut: list[int] = []
+    cutting = threading.Thread(target=lambda: cut.append(proxy.cut(in_flight=True, within=5.0)), daemon=True)
+    cutting.start()
+    wait_until(lambda: proxy.armed or not cutting.is_alive(), TIMEOUT, "the proxy armed for a cut")
+    result = action()
+    cutting.join(TIMEOUT)
+    assert not cutting.is_alive() and cut, "the cut did not happen"
+    return cut[0], result
+
+
 def test_batches_lost_in_a_reset_in_mid_transfer_are_asked_for_again(sample_dataset: Path, start_serve) -> None:
     server = start_serve(sample_dataset, *ARGS)
     with ServerDataStream(("sample_id",), endpoints=[server.endpoint], hwm=4, timeout=TIMEOUT, local=False) as s:
@@ -40,8 +53,12 @@ def test_batches_lost_in_a_reset_in_mid_transfer_are_asked_for_again(sample_data
             got = [int(i) for _ in range(3) for i in next(it)[0]]
             cuts = 0
             for _ in range(3):  # a cut that meets a chunk of a batch loses it with the connection
-                cuts += proxy.cut(in_flight=True, within=2.0)
-                got += [int(i) for i in next(it)[0]]
+                # Armed first, then a batch taken: its credit makes the server send the next one,
+                # which the cut meets. (Armed after the take, the cut could find the credit's batch
+                # already through, and meet only a heartbeat.)
+                cut, batch = _cut_while(proxy, lambda: next(it))
+                cuts += cut
+                got += [int(i) for i in batch[0]]
             got += [int(i) for (batch,) in it for i in batch]
             (conn,) = stream._conns  # noqa: SLF001
             assert cuts >= 3 and conn.resumes_after_loss >= 1, (cuts, conn.resumes_after_loss)
