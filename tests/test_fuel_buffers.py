@@ -178,7 +178,7 @@ ODD = {
     "bool": np.arange(999) % 3 == 0,
     "strided": np.arange(400_000, dtype=np.int64).reshape(800, 500)[:, ::3],
     "big-endian": np.arange(70_001, dtype=">f8"),
-    "large": np.random.default_rng(0).random((300, 3001), dtype=np.float32),  # a ragged last block
+    "large": np.random.default_rng(0).random((300, 3001), dtype=np.float32),  # in 64 KiB blocks: many, a ragged last
 }
 
 
