@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import select
 import threading
 import time
@@ -40,6 +39,7 @@ from fuelline.client.link import Connect, Disconnect, HandshakeDone, Item, Link,
 from fuelline.client.slabs import ClientSlabs
 from fuelline.protocol import DEFAULT_LIMITS, Hello, Limits, ServerUnavailable, Welcome
 from fuelline.protocol.common.threadnames import name_this_thread
+from fuelline.protocol.common.wakepipe import WakePipe
 
 __all__ = ["Connection", "Item", "backoff_delay"]
 
@@ -82,11 +82,7 @@ class Connection(Link):
         self._stop = threading.Event()
         self._keepalive = threading.Thread(target=self._keep_alive, name=f"fuelline-keepalive-{endpoint}", daemon=True)
         self._in_take = False  # the user's thread is in take() (set before it waits for the lock)
-        # Rings the keep-alive thread: credit to return, or closing. One byte until it has woken.
-        self._wake: tuple[int, int] | None = os.pipe()
-        for fd in self._wake:
-            os.set_blocking(fd, False)
-        self._nudged = False
+        self._wake = WakePipe()  # rings the keep-alive thread: credit to return, or closing
         self._sock: zmq.Socket | None = None
 
     # -- the user's side -----------------------------------------------------------------------
@@ -108,7 +104,7 @@ class Connection(Link):
             super().credit(seek, n)
             self._act()
             if self._pending_credit >= self._credit_group:
-                self._nudge()  # (the keep-alive thread returns it while the user trains)
+                self._wake.ring()  # (the keep-alive thread returns it while the user trains)
 
     def take(self, wait: float) -> Item | None:
         """The next item, driving the connection for up to ``wait`` seconds; None if none came.
@@ -152,13 +148,11 @@ class Connection(Link):
 
     def close(self) -> None:
         self._stop.set()
-        self._nudge()
+        self._wake.ring()
         if self._keepalive.is_alive():
             self._keepalive.join(5.0)
-        if self._wake is not None and not self._keepalive.is_alive():  # (else its poll may still watch it)
-            wake, self._wake = self._wake, None
-            for fd in wake:
-                os.close(fd)
+        if not self._keepalive.is_alive():  # (else its poll may still watch the pipe)
+            self._wake.close()
         with self._lock:
             if self._sock is not None:
                 try:
@@ -182,9 +176,8 @@ class Connection(Link):
     def _keep_alive(self) -> None:
         name_this_thread("fl-keepalive")
         idle = min(self.READ_AHEAD_IDLE, self._tick)
-        assert self._wake is not None
         poller = select.poll()
-        poller.register(self._wake[0], select.POLLIN)
+        poller.register(self._wake.fd, select.POLLIN)
         watched: int | None = None  # the file descriptor of the socket the poller watches
         more = False  # the last turn left a message to read
         while not self._stop.is_set():
@@ -192,8 +185,8 @@ class Connection(Link):
                 self._stop.wait(idle)  # (the user's thread drives the connection meanwhile)
             elif not more:
                 poller.poll(idle * 1000)  # news for the socket, a nudge, or the longest sleep
-            if self._nudged:
-                self._drain_wake()
+            if self._wake.rung:
+                self._wake.drain()  # (before the turn: what a ring during the drain was for is seen)
             more = False
             if self._stop.is_set() or self._in_take:
                 continue
@@ -212,25 +205,6 @@ class Connection(Link):
                 if fd is not None:
                     poller.register(fd, select.POLLIN)
                 watched = fd
-
-    def _nudge(self) -> None:
-        """Wake the keep-alive thread (a nudge it has not woken for yet is not repeated; one lost
-        in a race with its drain waits for its next turn, ``READ_AHEAD_IDLE`` at most)."""
-        wake = self._wake
-        if not self._nudged and wake is not None:
-            self._nudged = True
-            try:
-                os.write(wake[1], b"x")
-            except OSError:  # (full: it is due to wake anyway)
-                pass
-
-    def _drain_wake(self) -> None:
-        self._nudged = False  # (before the read: a nudge after it rings again)
-        try:
-            while self._wake is not None and os.read(self._wake[0], 64):
-                pass
-        except OSError:
-            pass
 
     def _read_ahead(self) -> tuple[int | None, bool]:
         """The keep-alive thread's turn (with the lock held): credit back, one message in (so the

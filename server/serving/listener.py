@@ -18,6 +18,7 @@ import zmq
 from fuelline.protocol import DataError
 from fuelline.protocol.common.ports import check_port
 from fuelline.protocol.common.threadnames import name_this_thread
+from fuelline.protocol.common.wakepipe import WakePipe
 from fuelline.server.serving.inbound import MAX_INBOUND_BYTES
 from fuelline.server.serving.keys import CurveConfig, is_loopback, start_authenticator
 from fuelline.server.serving.local_ipc import LocalSocketDir
@@ -77,11 +78,7 @@ class Listener(abc.ABC):
         self._ctx = context if context is not None else zmq.Context()
         self._router: zmq.Socket | None = None
         self._stop_reason: str | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._pipe_closed = False
-        self._wake_pending = False
+        self._wake_pipe = WakePipe()  # rings the loop (its poll watches the pipe's fd)
         self._thread: threading.Thread | None = None
 
     @abc.abstractmethod
@@ -209,15 +206,8 @@ class Listener(abc.ABC):
         self.join(10)
 
     def _wake(self) -> None:
-        # One byte per wake-up, not per batch: the loop clears the flag after emptying the pipe
-        # and before it looks at the sessions, so a batch readied after that rings again.
-        if self._pipe_closed or self._wake_pending:
-            return  # (closed: its fd numbers may belong to someone else by now)
-        self._wake_pending = True
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full, so the loop is already due to wake
+        # The loop drains the pipe before it looks at the sessions, so a batch readied after that rings again.
+        self._wake_pipe.ring()
 
     def _close(self) -> None:
         """Close the socket, the authenticator, the ipc folder, the context and the wake pipe."""
@@ -228,9 +218,4 @@ class Listener(abc.ABC):
         self._remove_local()
         if self._own_ctx:
             self._ctx.term()
-        self._pipe_closed = True
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wake_pipe.close()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import time
 from typing import Any, Callable
 
@@ -114,7 +113,7 @@ class Server(Listener, ServingCore):
         assert router is not None
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wake_pipe.fd, zmq.POLLIN)
         tick = min(self.heartbeat / 4, 0.25)
         next_tick = time.monotonic() + tick
         if ready is not None:
@@ -131,8 +130,8 @@ class Server(Listener, ServingCore):
                 events = dict(poller.poll(int(timeout * 1000)))
                 if router in events:
                     self._drain_requests(router)
-                if self._wake_r in events:
-                    self._drain_wake()
+                if self._wake_pipe.fd in events:
+                    self._wake_pipe.drain()
                 busy, blocked = self._turn()
                 now = time.monotonic()
                 if now >= next_tick:
@@ -146,15 +145,6 @@ class Server(Listener, ServingCore):
                     self._drop_vanished()
         finally:
             self._shutdown(self._stop_reason or "server loop ended")
-
-    def _drain_wake(self) -> None:
-        """Empty the pipe that rang the loop."""
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        self._wake_pending = False  # after the drain, or a ring during it is lost
 
     def _drain_requests(self, router: zmq.Socket) -> None:
         for _ in range(1000):  # bounded, so a flood cannot starve sending

@@ -49,6 +49,7 @@ from typing import Any, Sequence
 
 from fuelline.protocol import DataError
 from fuelline.protocol.common.threadnames import name_this_thread
+from fuelline.protocol.common.wakepipe import WakePipe
 from fuelline.server.workers import handoff
 from fuelline.server.workers.messages import Done, FromWorker, Inline, Ready, SetupFailed, Task
 from fuelline.server.workers.supervision import (
@@ -121,9 +122,7 @@ class WorkerPool(WorkerSupervision):
         self._poisoned: dict[tuple[str, int], str] = {}
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake_pipe = WakePipe()  # rings the dispatcher: a task queued, or closing
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -163,11 +162,7 @@ class WorkerPool(WorkerSupervision):
         self._stop_workers(WorkerError("the worker pool was closed"))
         if self._incarnation is not None:
             self._incarnation.remove()
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wake_pipe.close()
 
     @property
     def pids(self) -> list[int]:
@@ -202,10 +197,7 @@ class WorkerPool(WorkerSupervision):
         return future
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # a full pipe wakes the dispatcher as well; a closed one has nobody to wake
+        self._wake_pipe.ring()
 
     # -- the dispatcher thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -213,14 +205,14 @@ class WorkerPool(WorkerSupervision):
         try:
             while not self._closed and self._broken is None:
                 self._dispatch()
-                watched: dict[Any, _Worker | None] = {self._wake_r: None}
+                watched: dict[Any, _Worker | None] = {self._wake_pipe.fd: None}
                 for worker in self._workers:
                     watched[worker.conn] = worker
                     watched[worker.process.sentinel] = worker
                 for obj in wait(list(watched), timeout=self.POLL):
                     w = watched[obj]
                     if w is None:
-                        self._drain_wake()
+                        self._wake_pipe.drain()  # (the loop dispatches next: a ring during it is seen)
                     elif self._workers[w.index] is not w:
                         continue  # already replaced (its pipe and sentinel fire together)
                     elif obj is w.conn:
@@ -230,13 +222,6 @@ class WorkerPool(WorkerSupervision):
         except Exception as exc:  # a bug here must not leave tasks waiting forever
             log.exception("the worker pool's dispatcher failed")
             self._break(f"the dispatcher failed: {type(exc).__name__}: {exc}")
-
-    def _drain_wake(self) -> None:
-        try:
-            while os.read(self._wake_r, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
 
     def _next_task(self) -> _Task | None:
         with self._lock:
