@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import statistics
@@ -56,15 +57,22 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": list(values)}
 
 
+def quotient(n: float, d: float) -> float:
+    """n / d, or NaN where d is zero: a CPU time that a short span measured as none makes no ratio."""
+    return n / d if d else math.nan
+
+
 def _ratio(num: Sequence[float], den: Sequence[float], target: float | None, higher: bool = True) -> dict[str, Any]:
-    per_round = [n / d for n, d in zip(num, den)]
-    of_medians = statistics.median(num) / statistics.median(den)
-    meets = None if target is None else (of_medians >= target if higher else of_medians <= target)
+    per_round = [quotient(n, d) for n, d in zip(num, den)]
+    of_medians = quotient(statistics.median(num), statistics.median(den))
+    defined = [q for q in per_round if not math.isnan(q)] or [math.nan]
+    meets = None if target is None or math.isnan(of_medians) else (
+        of_medians >= target if higher else of_medians <= target)
     return {
         "of_medians": of_medians,
-        "median_per_round": statistics.median(per_round),
-        "min_per_round": min(per_round),
-        "max_per_round": max(per_round),
+        "median_per_round": statistics.median(defined),
+        "min_per_round": min(defined),
+        "max_per_round": max(defined),
         "per_round": per_round,
         "target": target,
         "higher_is_better": higher,

@@ -40,6 +40,34 @@ def test_contender_plot_with_unmeasured_and_zero_figures(tmp_path: Path) -> None
     assert "probe" in md
 
 
+def test_a_ratio_to_a_cpu_time_of_zero_is_no_ratio_and_no_crash() -> None:
+    """A quick round's span may be too short for a CPU time to show: the ratios to it are NaN, the
+    peers benchmark's table says '—' for them, and the rounds that measured one keep their ratio."""
+    from benchmarks.peers.bench import FUELLINE, METRICS, PeerRound, _summary
+    from benchmarks.report import RatioSpec
+
+    def rnd(cpu: float) -> Round:
+        return PeerRound(3, 1000, 64_000, 0.01, cpu, None, cpu_reader_s=0.5, peak_rss_bytes=1, first_batch_s=0.1,
+                         first_batch_from_start_s=0.2, mix=1.0)
+
+    cpu = METRICS[2].unit
+    results = {FUELLINE: [rnd(0.0), rnd(0.02)], "other": [rnd(0.01), rnd(0.01)]}
+    ratios = [RatioSpec(FUELLINE, "other", metric=cpu, higher=False), RatioSpec("other", FUELLINE, metric=cpu)]
+    record, md = build_report("probe", "probe", results, METRICS, ratios, {}, [], environment(), exits={})
+    back = record["ratios"][f"other / {FUELLINE} ({cpu})"]
+    assert math.isnan(back["per_round"][0]) and back["per_round"][1] == pytest.approx(0.5)
+    assert back["min_per_round"] == back["max_per_round"] == pytest.approx(0.5)
+    assert record["ratios"][f"{FUELLINE} / other ({cpu})"]["per_round"] == pytest.approx([0.0, 2.0])
+    for label in list(record["ratios"]):
+        if not label.startswith(f"{FUELLINE} / other"):
+            del record["ratios"][label]
+    record["ratios"][f"{FUELLINE} / other"] = record["ratios"][f"{FUELLINE} / other ({cpu})"]
+    record["ratios"][f"{FUELLINE} / other ({METRICS[3].unit})"] = record["ratios"][f"{FUELLINE} / other ({cpu})"]
+    table = _summary(record, {})
+    row = next(line for line in table.splitlines() if line.startswith("| other |"))
+    assert "| 1.00 (0.50–—) |" in row, row  # medians 0.01 and 0.01; per round 1 / 2 and 1 / 0: none
+
+
 def test_the_summary_is_written_beside_results_that_are_not_records(tmp_path: Path) -> None:
     # attacks.json is a list of findings; the summary reads every *.json in the folder.
     (tmp_path / "attacks.json").write_text('[{"attack": "flood"}]')

@@ -21,6 +21,7 @@ the windows, of distinct recordings (sample id // 1,000,000).
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -485,7 +486,11 @@ def _summary(record: dict[str, Any], not_run: dict[str, str], units: Sequence[Me
 
     def inverse(label: str) -> str:
         q = record["ratios"][label]
-        return f"{1 / q['of_medians']:.2f} ({1 / q['max_per_round']:.2f}–{1 / q['min_per_round']:.2f})"
+
+        def flip(key: str) -> str:  # (no ratio where a CPU time measured none)
+            return f"{1 / q[key]:.2f}" if q[key] and math.isfinite(q[key]) else "—"
+
+        return f"{flip('of_medians')} ({flip('max_per_round')}–{flip('min_per_round')})"
 
     for name, entry in record["contenders"].items():
         if name == FUELLINE:
