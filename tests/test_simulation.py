@@ -33,6 +33,22 @@ def test_every_rank_reads_the_reference_order_through_restarts_partitions_freeze
     assert outcome.reconnects + outcome.hellos > SMALL.ranks * SMALL.servers  # (the faults were felt)
 
 
+@pytest.mark.timeout(60)
+def test_a_run_leaves_the_callers_logging_as_it_found_it() -> None:
+    """The simulation quiets fuelline's loggers while it runs (its reconnects are its point), and
+    only then: a program or a test that runs it after logs as before."""
+    import logging
+
+    loggers = [logging.getLogger(name) for name in ("fuelline.server", "fuelline.client")]
+    loggers[0].setLevel(logging.INFO)
+    try:
+        run(replace(SMALL, ranks=2, servers=1, epochs=1), 0, faults=False)
+        storm(replace(SMALL, ranks=2, servers=1), 0, at=1.0, down=0.5)
+        assert [lg.level for lg in loggers] == [logging.INFO, logging.NOTSET]
+    finally:
+        loggers[0].setLevel(logging.NOTSET)
+
+
 @pytest.mark.timeout(120)
 def test_a_run_is_the_same_for_the_same_seed() -> None:
     a, b = run(SMALL, 7), run(SMALL, 7)

@@ -60,17 +60,17 @@ def _outcome(world: World, faults: list[str], wall: float, to_the_end: bool = Tr
 
 def run(cfg: Config, seed: int, faults: bool = True, schedule: Callable[[World], list[str]] | None = None) -> Outcome:
     """One job from start to end, with the faults its seed draws (or those ``schedule`` sets on the world)."""
-    quiet_logs()
-    start = time.perf_counter()
-    world = World(cfg, seed)
-    deadline = _deadline(cfg)
-    if schedule is not None:
-        scheduled = schedule(world)
-    else:
-        scheduled = schedule_faults(world, until=0.8 * job_length(cfg)) if faults else []
-    world.launch()
-    world.run(deadline)
-    return _outcome(world, scheduled, time.perf_counter() - start)
+    with quiet_logs():
+        start = time.perf_counter()
+        world = World(cfg, seed)
+        deadline = _deadline(cfg)
+        if schedule is not None:
+            scheduled = schedule(world)
+        else:
+            scheduled = schedule_faults(world, until=0.8 * job_length(cfg)) if faults else []
+        world.launch()
+        world.run(deadline)
+        return _outcome(world, scheduled, time.perf_counter() - start)
 
 
 @dataclass
@@ -90,13 +90,13 @@ def storm(cfg: Config, seed: int, at: float, down: float) -> Storm:
     run until every link has received a batch from its server's new process. The job has batches
     enough that no link runs out before then; what the ranks read meanwhile is checked against
     the reference as they read it."""
-    quiet_logs()
-    start = time.perf_counter()
-    world = World(cfg, seed)
-    restart_all(world, at, down)
-    world.launch()
-    links = [link for r in world.ranks for link in r.links]
-    world.loop.run(at + down + 60.0, lambda: world.read_again >= len(links))
+    with quiet_logs():
+        start = time.perf_counter()
+        world = World(cfg, seed)
+        restart_all(world, at, down)
+        world.launch()
+        links = [link for r in world.ranks for link in r.links]
+        world.loop.run(at + down + 60.0, lambda: world.read_again >= len(links))
     outcome = _outcome(world, [f"every server restarted at {at:.2f}s, down {down:.2f}s"], time.perf_counter() - start,
                        to_the_end=False)
     back = world.restarted_at

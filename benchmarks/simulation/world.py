@@ -21,11 +21,12 @@ Checked while it runs, and at the end (``World.violations``):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 from benchmarks.simulation.network import ZMQ_RECONNECT_IVL, Loop, Pipe
 from benchmarks.simulation.ranks import NoJitter, Rank, SimLink
@@ -215,7 +216,16 @@ class World:
         self.loop.run(until, self.all_done)
 
 
-def quiet_logs() -> None:
-    """The simulation's thousands of reconnects are its point, not news: fuelline's logs above errors only."""
-    for name in ("fuelline.server", "fuelline.client"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
+@contextlib.contextmanager
+def quiet_logs() -> Iterator[None]:
+    """The simulation's thousands of reconnects are its point, not news: fuelline's logs above
+    errors only while it runs, and as they were after."""
+    loggers = [logging.getLogger(name) for name in ("fuelline.server", "fuelline.client")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
