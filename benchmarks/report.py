@@ -57,14 +57,14 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": list(values)}
 
 
-def quotient(n: float, d: float) -> float:
+def _quotient(n: float, d: float) -> float:
     """n / d, or NaN where d is zero: a CPU time that a short span measured as none makes no ratio."""
     return n / d if d else math.nan
 
 
 def _ratio(num: Sequence[float], den: Sequence[float], target: float | None, higher: bool = True) -> dict[str, Any]:
-    per_round = [quotient(n, d) for n, d in zip(num, den)]
-    of_medians = quotient(statistics.median(num), statistics.median(den))
+    per_round = [_quotient(n, d) for n, d in zip(num, den)]
+    of_medians = _quotient(statistics.median(num), statistics.median(den))
     defined = [q for q in per_round if not math.isnan(q)] or [math.nan]
     meets = None if target is None or math.isnan(of_medians) else (
         of_medians >= target if higher else of_medians <= target)

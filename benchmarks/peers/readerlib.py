@@ -159,8 +159,8 @@ class ProcTree:
 
     Their CPU time at a moment is the sum, over the live processes of the tree, of each one's own
     time (from its CPU-time clock, to the nanosecond) and that of its children that ended and were
-    reaped (in 10 ms ticks) (which the kernel adds to the parent
-    that waits for them): a DataLoader worker that ends with its epoch, or a server stopped, still
+    reaped (from /proc, in 10 ms ticks; the kernel adds them to the parent that waits for them):
+    a DataLoader worker that ends with its epoch, or a server stopped, still
     counts, once. (A process whose parent ended before it, and that ends unreaped by the tree, is
     lost: none of the readers leaves one.) A thread samples the tree every ``SAMPLE_INTERVAL_S``
     for memory: each process's peak is the kernel's own high-water mark of its resident set
