@@ -1,7 +1,5 @@
 """A self-pipe that wakes a thread sleeping in ``poll``: the serving loop, rung by producer threads
-and decodes; the client's keep-alive thread, rung by credit and by closing. An eventfd where the
-system has one (one file descriptor, not a pipe's two: a rank reading a hundred servers holds a
-hundred), else a pipe."""
+and decodes; the client's keep-alive thread, rung by credit and by closing."""
 
 from __future__ import annotations
 
@@ -9,21 +7,16 @@ import os
 
 __all__ = ["WakePipe"]
 
-_EVENTFD = hasattr(os, "eventfd")
-
 
 class WakePipe:
-    """One wake-up per sleep, not per ring: rings before the sleeper has drained it write nothing
-    more. The sleeper polls ``fd`` for reading, then calls ``drain`` and only then looks at its
-    work, so that whatever a ring during the drain was for is seen anyway."""
+    """One byte per wake-up, not per ring: rings before the sleeper has drained the pipe write
+    nothing more. The sleeper polls ``fd`` for reading, then calls ``drain`` and only then looks
+    at its work, so that whatever a ring during the drain was for is seen anyway."""
 
     def __init__(self) -> None:
-        if _EVENTFD:
-            self.fd = self._w = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        else:
-            self.fd, self._w = os.pipe()
-            os.set_blocking(self.fd, False)
-            os.set_blocking(self._w, False)
+        self.fd, self._w = os.pipe()
+        os.set_blocking(self.fd, False)
+        os.set_blocking(self._w, False)
         self._rung = False
         self._closed = False
 
@@ -33,10 +26,7 @@ class WakePipe:
             return  # (closed: its fd numbers may belong to someone else by now)
         self._rung = True
         try:
-            if _EVENTFD:
-                os.eventfd_write(self._w, 1)
-            else:
-                os.write(self._w, b"x")
+            os.write(self._w, b"x")
         except OSError:
             pass  # full: the sleeper is due to wake anyway
 
@@ -45,22 +35,18 @@ class WakePipe:
         return self._rung
 
     def drain(self) -> None:
-        """Take what the rings wrote (the sleeper's thread)."""
+        """Empty the pipe (the sleeper's thread)."""
         try:
-            if _EVENTFD:
-                if not self._closed:
-                    os.eventfd_read(self.fd)  # (the counter back to zero)
-            else:
-                while not self._closed and os.read(self.fd, 4096):
-                    pass
+            while not self._closed and os.read(self.fd, 4096):
+                pass
         except OSError:
-            pass  # (nothing to take: woken by something else)
+            pass
         self._rung = False  # after the drain: cleared before it, a ring during it would be eaten and the flag left up
 
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            for fd in {self.fd, self._w}:
+            for fd in (self.fd, self._w):
                 try:
                     os.close(fd)
                 except OSError:
