@@ -110,6 +110,45 @@ def test_a_ranks_first_batch_needs_only_the_blocks_up_to_its_rows() -> None:
         source.close()
 
 
+class GatedPlan(EpochPlan):
+    """A plan whose own thread makes block 0 only once a reader waits for it, then stops before
+    block 1 until ``go`` is set."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reader_waits = threading.Event()
+        self.go = threading.Event()
+
+    def _fill_through(self, block: int) -> None:
+        if threading.current_thread() is not self._thread:
+            self.reader_waits.set()
+        super()._fill_through(block)
+
+    def _fill_block(self, b: int) -> None:
+        if threading.current_thread() is self._thread:
+            event = self.reader_waits if b == 0 else self.go
+            assert event.wait(TIMEOUT), f"block {b} was never let go on"
+        super()._fill_block(b)
+
+
+def test_a_reader_waiting_for_a_block_being_made_has_it_once_made_not_after_the_next() -> None:
+    """The plan's thread goes on to the next block as soon as one is made; a reader that waited
+    for that one must not wait for the next too (nor, starved of a lock, for the whole plan)."""
+    lengths = np.full(40, 1000)
+    plan = GatedPlan(lengths, 5, 0, True, 4).start()
+    got: list[np.ndarray] = []
+    reader = threading.Thread(target=lambda: got.append(plan.span(0, 32).copy()), daemon=True)
+    try:
+        reader.start()
+        reader.join(TIMEOUT / 4)
+        assert not reader.is_alive(), "the reader of block 0 still waits while the plan's thread makes block 1"
+        assert plan._filled == 1
+        assert np.array_equal(got[0], epoch_order(lengths, 5, 0, True, 4)[:32])
+    finally:
+        plan.go.set()
+        reader.join(TIMEOUT)
+
+
 def test_a_serving_loop_waits_for_the_plan_as_for_a_decode_and_the_ranks_units_decode_meanwhile() -> None:
     lengths = np.full(40, 1000)
     plan = HeldPlan(lengths, 5, 0, True, 4, held=2)

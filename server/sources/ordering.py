@@ -73,7 +73,11 @@ class EpochPlan:
         self._order = np.empty(self.total, dtype=np.int32 if self.total < 2**31 else np.int64)
         self._filled = 0  # blocks written and shuffled, in order
         self._error: BaseException | None = None
-        self._fill_lock = threading.Lock()  # one block is made at a time, by whichever thread asks
+        # One block is made at a time, by whichever thread asks first; the others wait for the
+        # block they need, not for the lock: a thread that held a lock while it made each block
+        # took it straight back for the next one, and a reader of a block already made waited on.
+        self._made = threading.Condition()  # guards _filled, _error and _making
+        self._making = False
         self._waiters: dict[int, Future[None]] = {}  # a block → the future of a reader waiting for it
         self._waiters_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -97,21 +101,29 @@ class EpochPlan:
             pass
 
     def _fill_through(self, block: int) -> None:
-        """Blocks up to ``block`` made, on this thread if no other is making them."""
-        while self._filled <= block:
-            with self._fill_lock:
-                if self._error is not None:
-                    raise self._error
-                b = self._filled
-                if b > block:
-                    break
-                try:
-                    self._fill_block(b)
-                except BaseException as exc:
-                    self._error = exc
-                    self._resolve(exc)
-                    raise
-                self._filled = b + 1
+        """Blocks up to ``block`` made: here, or by the thread already making the next one."""
+        while True:
+            with self._made:
+                while True:
+                    if self._error is not None:
+                        raise self._error
+                    if self._filled > block:
+                        return
+                    if not self._making:
+                        break
+                    self._made.wait()
+                b, self._making = self._filled, True
+            try:
+                self._fill_block(b)
+            except BaseException as exc:
+                with self._made:
+                    self._error, self._making = exc, False
+                    self._made.notify_all()
+                self._resolve(exc)
+                raise
+            with self._made:
+                self._filled, self._making = b + 1, False
+                self._made.notify_all()
             self._resolve(None)
 
     def _fill_block(self, b: int) -> None:
