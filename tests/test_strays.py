@@ -56,11 +56,11 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _pytest(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
+def _pytest(tmp_path: Path, code: str, *options: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_tiny.py").write_text(textwrap.dedent(code))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "support.strays",
-                           "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path / "test_tiny.py")],
+                           *options, "-c", os.devnull, "--rootdir", str(tmp_path), str(tmp_path / "test_tiny.py")],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT, env=env, cwd=tmp_path)
 
 
@@ -118,3 +118,36 @@ def test_processes_of_a_pytest_that_died_are_killed_by_the_watcher(tmp_path: Pat
     finally:
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_in_worker_processes_a_left_process_is_killed_and_a_workers_own_helpers_are_not_strays(tmp_path: Path) -> None:
+    """Run by pytest-xdist's workers (as tests/run.sh runs the suite), the watcher is the
+    controller's: what a test leaves is still reported and killed, while each worker's
+    multiprocessing resource tracker, which ends just after its worker, is waited for."""
+    out = tmp_path / "pids"
+    out.mkdir()
+    run = _pytest(tmp_path, f"""
+        import os, subprocess, sys
+        from multiprocessing import resource_tracker, shared_memory
+
+        def test_starts_its_workers_tracker():
+            # Segments never unlinked: the tracker removes them (and warns of each) as it ends, so
+            # it outlives its worker for a moment.
+            for _ in range(200):
+                shared_memory.SharedMemory(create=True, size=4096).close()
+            assert resource_tracker._resource_tracker._pid is not None
+
+        def test_also_starts_one():
+            test_starts_its_workers_tracker()
+
+        def test_leaves_a_child():
+            pid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]).pid
+            with open(os.path.join({str(out)!r}, "child"), "w") as f:
+                f.write(str(pid))
+    """, "-n", "2")
+    text = run.stdout + run.stderr
+    assert "3 passed" in text, text
+    pid = int((out / "child").read_text())
+    assert "1 processes the tests started were still running at the end, and were killed" in text, text
+    assert f"pid {pid} (" in text and "import main" not in text, text  # (the tracker's command line)
+    assert not _alive(pid), f"the child {pid} was left running"

@@ -16,6 +16,11 @@ asks the watcher; it does a last scan, sends SIGTERM to what is left, SIGKILL af
 test that was running when it was first seen. If pytest dies without asking (killed, ``os._exit``),
 the watcher notices its parent is gone and kills what it recorded all the same.
 
+Under pytest-xdist the watcher is the controller's, and sees the workers' processes as its
+descendants; each worker names its own multiprocessing helpers as it finishes, and the sweep waits
+for those to end with it. A process is then attributed to a test running when it was first seen,
+in whichever worker.
+
 What it cannot see: a process started and orphaned within one scan interval by a grandchild of
 pytest, and left in pytest's own session and group, or in a session whose leader also came and
 went within that interval.
@@ -40,6 +45,7 @@ __all__ = ["SCAN_S", "TERM_GRACE_S", "Stray", "Watcher"]
 
 SCAN_S = 0.1  # how often the watcher looks for new processes
 TERM_GRACE_S = 3.0  # between SIGTERM and SIGKILL for a process left behind
+HELPER_GRACE_S = 5.0  # for the helpers of a worker process that ended to end too
 ANSWER_S = 20.0  # how long pytest waits for the watcher's answer
 
 
@@ -119,6 +125,9 @@ class _Watch:
         self.seen: dict[int, tuple[_Proc, str, str]] = {}  # pid -> (process, test, command line)
         self.groups: dict[tuple[str, int], int] = {}  # ("sid"|"pgid", id) -> its leader's start
         self.spare: set[int] = set()  # pytest's own helpers, which end with it
+        # The helpers of a worker process of pytest-xdist's, which end soon after it: given
+        # HELPER_GRACE_S to do so before the sweep counts them.
+        self.helpers: list[_Proc] = []
 
     def scan(self) -> dict[int, _Proc]:
         table = _table()
@@ -162,6 +171,9 @@ class _Watch:
     def sweep(self) -> list[Stray]:
         """Kill what the suite left: SIGTERM, then SIGKILL; a killed process's children (never
         seen, but in the suite's sessions) are found on the next round."""
+        deadline = time.monotonic() + HELPER_GRACE_S
+        while any(_alive(p, _table_of(p.pid)) for p in self.helpers) and time.monotonic() < deadline:
+            time.sleep(0.02)  # (waiting for processes to exit: the deadline bounds it)
         strays: dict[int, Stray] = {}
         for _ in range(3):
             table = self.scan()
@@ -221,6 +233,10 @@ def main(root: int) -> int:
                     watch.test = arg
                 elif command == "spare":
                     watch.spare.add(int(arg))
+                elif command == "helper":
+                    helper = _read(int(arg))
+                    if helper is not None:
+                        watch.helpers.append(helper)
                 elif command == "child":
                     pid, ppid, pgid, sid, start = map(int, arg.split())
                     watch.note(_Proc(pid, ppid, pgid, sid, start, "?"))
@@ -320,9 +336,21 @@ def pytest_runtest_logstart(nodeid: str) -> None:
         _watcher.tell(f"test {nodeid}")
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """A pytest-xdist worker ended: its multiprocessing helpers (which its own session finish
+    named) end with it, and are waited for, not swept at once."""
+    if _watcher is not None:
+        for pid in getattr(node, "workeroutput", {}).get("fuelline_helpers", ()):
+            _watcher.tell(f"helper {pid}")
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     global _watcher
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # (a pytest-xdist worker: the watcher is the controller's)
+        workeroutput["fuelline_helpers"] = _own_helpers()
     if _watcher is None:
         return
     watcher, _watcher = _watcher, None
