@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -62,28 +62,33 @@ class Round:
 # process's main thread (a `fuelline serve` process's serving loop, a consumer's own gathering) is
 # "main", libzmq's I/O threads "libzmq", any other "other".
 THREAD_ROLES = (("fl-produce", "producers"), ("fl-read", "read-ahead"), ("fl-fetch", "fetch"),
-                ("fl-workers", "workers"), ("fl-stage", "stages"), ("fl-serve", "serving loop"), ("ZMQbg/IO", "libzmq"))
+                ("fl-workers", "workers"), ("fl-stage", "stages"), ("fl-serve", "serving loop"), ("ZMQbg/IO", "libzmq"),
+                ("fl-keepalive", "keep-alive"), ("fl-plan", "plan"))
 
 
-def threads_cpu_by_role(pids: Iterable[int], children: bool = True) -> dict[str, float]:
+def threads_cpu_by_role(pids: Iterable[int] | Mapping[str, int], children: bool = True) -> dict[str, float]:
     """The CPU seconds of the live threads of these processes (and, with ``children``, of their live
-    descendants), by role. Threads that ended are not counted: take it over a span the threads of
-    interest live through."""
+    descendants), by role; with processes named (``{"server": pid, ...}``), each role is named by
+    its process too ("server libzmq"). Threads that ended are not counted: take it over a span the
+    threads of interest live through."""
+    named = pids.items() if isinstance(pids, Mapping) else (("", pid) for pid in pids)
     out: dict[str, float] = {}
-    for pid in pids:
+    for label, pid in named:
         for (proc, tid), (name, seconds) in threads_cpu_seconds(pid, children).items():
             role = "main" if tid == proc else next((r for prefix, r in THREAD_ROLES if name.startswith(prefix)), "other")
+            role = f"{label} {role}" if label else role
             out[role] = out.get(role, 0.0) + seconds
     return out
 
 
 def time_batches(batches: Iterable[Sequence[np.ndarray]], producer_pid: int | Sequence[int] | None = None,
-                 threads_of: Sequence[int] = (), threads_of_children: bool = True) -> Round:
+                 threads_of: Sequence[int] | Mapping[str, int] = (), threads_of_children: bool = True) -> Round:
     """Consume a stream of batches (tuples of arrays whose first axis is rows), touching one
     element of every array so that nothing is merely passed along unread, and time it.
     ``producer_pid``: the sending process, or processes (their CPU is added up). ``threads_of``:
     processes whose CPU is also taken by thread role (``threads_cpu_by_role``) over the timed span,
-    with their child processes' unless ``threads_of_children`` is false."""
+    with their child processes' unless ``threads_of_children`` is false; named (a mapping), each
+    role is named by its process."""
     pids = [] if producer_pid is None else [producer_pid] if isinstance(producer_pid, int) else list(producer_pid)
 
     def producers_cpu() -> float | None:

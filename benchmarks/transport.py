@@ -22,6 +22,7 @@ Each sender runs in its own process, as a data server would.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 import tempfile
 from contextlib import ExitStack
@@ -51,6 +52,7 @@ BARE_COPY_XXH3 = "bare pyzmq + copy + xxh3"  # the same, of a copy of each array
 FUELLINE, NO_CHECKSUM = "fuelline", "fuelline --no-checksum"  # over TCP (ServerDataStream(local=False))
 LOCAL, LOCAL_NO_CHECKSUM = "fuelline, local", "fuelline, local --no-checksum"  # the default: moves to ipc
 FRESH, LOCAL_FRESH = "fuelline, fresh_arrays", "fuelline, local, fresh_arrays"  # the stream's array, not copied
+FRESH_NO_CHECKSUM = "fuelline, fresh_arrays --no-checksum"  # over TCP: the protocol alone, no copy, no checksum
 
 
 def make_array() -> np.ndarray:
@@ -169,7 +171,9 @@ class BareSender:
 
 
 def bare_round(sender: BareSender, batches: int, name: str = BARE) -> Round:
-    return _checked(time_batches(sender.receive(batches), producer_pid=sender.pid), batches, name)
+    threads = {"sender": sender.pid, "receiver": os.getpid()}
+    return _checked(time_batches(sender.receive(batches), producer_pid=sender.pid, threads_of=threads,
+                                 threads_of_children=False), batches, name)
 
 
 # -- fuelline ------------------------------------------------------------------------------------
@@ -205,7 +209,8 @@ def fuelline_round(server: ServerProcess, batches: int, local: bool = False, nam
     server offers to clients on its host, as a default client does."""
     with ServerDataStream(("features",), host=server.host, port=server.port, hwm=HWM, timeout=TIMEOUT_S,
                           receive_timeout=TIMEOUT_S, local=local) as stream:
-        r = time_batches(stream.get_epoch_iterator(), producer_pid=server.pid)
+        r = time_batches(stream.get_epoch_iterator(), producer_pid=server.pid,
+                         threads_of={"server": server.pid, "client": os.getpid()}, threads_of_children=False)
         where = stream.transports[0]
     if where.startswith("ipc://") != local:
         raise RuntimeError(f"{name or server.name}: read through {where}, expected {'ipc' if local else 'tcp'}")
@@ -233,6 +238,7 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         with_ck = stack.enter_context(fuelline_server(FUELLINE, batches, True, Path(logs)))
         no_ck = stack.enter_context(fuelline_server(NO_CHECKSUM, batches, False, Path(logs)))
         fresh = stack.enter_context(fuelline_server(FRESH, batches, True, Path(logs), fresh_arrays=True))
+        fresh_no_ck = stack.enter_context(fuelline_server(FRESH_NO_CHECKSUM, batches, False, Path(logs), fresh_arrays=True))
         contenders = [
             Contender(BARE, lambda: bare_round(bare, batches)),
             Contender(BARE_IPC, lambda: bare_round(bare_ipc, batches, BARE_IPC)),
@@ -244,6 +250,7 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
             Contender(LOCAL_NO_CHECKSUM, lambda: fuelline_round(no_ck, batches, local=True, name=LOCAL_NO_CHECKSUM)),
             Contender(FRESH, lambda: fuelline_round(fresh, batches)),
             Contender(LOCAL_FRESH, lambda: fuelline_round(fresh, batches, local=True, name=LOCAL_FRESH)),
+            Contender(FRESH_NO_CHECKSUM, lambda: fuelline_round(fresh_no_ck, batches)),
         ]
         ipc_note = ("fuelline, local: a default ServerDataStream on the server's host, which moves from TCP to the "
                     "Unix socket the server offers (the same server processes as the TCP contenders); held to bare "
@@ -254,7 +261,7 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         exits = {BARE: bare.exit_status, BARE_IPC: bare_ipc.exit_status, BARE_XXH3: bare_xxh3.exit_status,
                  BARE_COPY_XXH3: bare_copy_xxh3.exit_status,
                  FUELLINE: with_ck.exit_status, NO_CHECKSUM: no_ck.exit_status, LOCAL: with_ck.exit_status, LOCAL_NO_CHECKSUM: no_ck.exit_status,
-                 FRESH: fresh.exit_status, LOCAL_FRESH: fresh.exit_status}
+                 FRESH: fresh.exit_status, LOCAL_FRESH: fresh.exit_status, FRESH_NO_CHECKSUM: fresh_no_ck.exit_status}
     parameters = {
         "rounds": rounds, "batches_per_round": batches, "shape": list(SHAPE), "dtype": np.dtype(DTYPE).name,
         "batch_bytes": batch_bytes, "bytes_per_round": batch_bytes * batches, "hwm": HWM, "host": HOST,
@@ -286,11 +293,19 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         "only for a stream that never writes to an array it yielded, as this one).",
         "CPU s/GB adds the consumer's and the sender's CPU time (all threads, /proc) over the timed span; on a "
         "2-core machine it shows how much of the machine each contender needs.",
+        f"{FRESH_NO_CHECKSUM}: the stream's array, neither copied nor checksummed, over TCP: what fuelline's "
+        "protocol (headers, credit, sessions, its threads) costs beside bare pyzmq, with nothing else to do.",
+        "CPU by thread: each end's threads, the sender or server (its main thread is a server's serving loop; "
+        "producers: the thread that reads the stream, copies and hashes) and the receiver or client (main: the "
+        "consumer's own thread; keep-alive: the client's keep-alive thread), libzmq's I/O threads on both; their "
+        "kernel time (the socket copies) is in libzmq's. The receiver's process also holds the idle threads of "
+        "the other contenders' clients.",
     ]
     record, md = build_report(
         "transport", "transport — 3 MB batches over tcp loopback and ipc", results, [gbps],
         [RatioSpec(FUELLINE, BARE, 0.80), RatioSpec(NO_CHECKSUM, BARE, 0.80), RatioSpec(LOCAL, BARE_IPC, 0.80),
          RatioSpec(LOCAL_NO_CHECKSUM, BARE_IPC, 0.80), RatioSpec(FRESH, BARE, 0.80), RatioSpec(LOCAL_FRESH, BARE_IPC, 0.80),
+         RatioSpec(FRESH_NO_CHECKSUM, BARE, 0.80),
          RatioSpec(LOCAL, BARE), RatioSpec(FUELLINE, NO_CHECKSUM), RatioSpec(FUELLINE, FRESH),
          RatioSpec(LOCAL, LOCAL_FRESH), RatioSpec(BARE_IPC, BARE),
          RatioSpec(BARE_XXH3, BARE), RatioSpec(FUELLINE, BARE_XXH3), RatioSpec(FRESH, BARE_XXH3),

@@ -85,6 +85,12 @@ def test_headline_figures_are_computed(quick_run: tuple[subprocess.CompletedProc
     assert {"bare pyzmq + xxh3 / bare pyzmq", "fuelline / bare pyzmq + xxh3",
             "fuelline / bare pyzmq + copy + xxh3"} <= set(transport["ratios"])
     assert transport["ratios"]["fuelline / bare pyzmq"]["target"] == 0.8
+    # The protocol alone (no copy, no checksum) against bare pyzmq, and where each end's CPU goes.
+    assert transport["ratios"]["fuelline, fresh_arrays --no-checksum / bare pyzmq"]["target"] == 0.8
+    for name, ends in (("bare pyzmq", ("sender", "receiver")), ("fuelline, fresh_arrays --no-checksum", ("server", "client"))):
+        by_thread = transport["contenders"][name]["cpu_ms_per_batch_by_thread"]
+        assert {f"{end} {role}" for end in ends for role in ("main", "libzmq")} <= set(by_thread), by_thread
+        assert by_thread[f"{ends[1]} libzmq"] > 0, by_thread  # (it receives every batch's bytes)
 
     pipeline = _record(results, "pipeline")
     names = set(pipeline["contenders"])
