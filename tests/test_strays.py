@@ -151,3 +151,39 @@ def test_in_worker_processes_a_left_process_is_killed_and_a_workers_own_helpers_
     assert "1 processes the tests started were still running at the end, and were killed" in text, text
     assert f"pid {pid} (" in text and "import main" not in text, text  # (the tracker's command line)
     assert not _alive(pid), f"the child {pid} was left running"
+
+
+def test_a_process_pytest_named_just_before_it_died_is_killed(tmp_path: Path) -> None:
+    """pytest names each process it starts to the watcher; if it dies at once after, the watcher may
+    see it gone before it reads that line. The line must still be read: the process may be known
+    from nothing else (here a sleeper whose launcher, in a session of its own, exited before any
+    scan). The watcher's root is a process that is not its parent, so it finds pytest gone on its
+    first look, with the line already waiting on its stdin."""
+    from support.strays import _read
+
+    code = ("import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert launcher.stdout is not None
+    sleeper = int(launcher.stdout.readline())
+    leader = _read(launcher.pid)  # (a zombie until reaped: still readable)
+    launcher.wait(WAIT)
+    assert leader is not None and _alive(sleeper)
+    root = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    said, stdin = os.pipe()
+    os.write(stdin, f"child {leader.pid} {leader.ppid} {leader.pgid} {leader.sid} {leader.start}\n".encode())
+    os.close(stdin)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    try:
+        watcher = subprocess.run([sys.executable, "-m", "support.strays", str(root.pid)], stdin=said,
+                                 capture_output=True, text=True, timeout=RUN_TIMEOUT, env=env)
+        assert watcher.returncode == 0, watcher.stderr
+        assert f"killed 1 processes it left: {sleeper} " in watcher.stderr, watcher.stderr
+        wait_until(lambda: not _alive(sleeper), WAIT, "the watcher kills the process pytest named before it died")
+        assert _alive(root.pid), "the watcher killed a process the suite did not start"
+    finally:
+        os.close(said)
+        root.kill()
+        root.wait(WAIT)
+        if _alive(sleeper):
+            os.kill(sleeper, signal.SIGKILL)

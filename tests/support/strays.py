@@ -206,44 +206,52 @@ def _table_of(pid: int) -> dict[int, _Proc]:
     return {} if proc is None else {pid: proc}
 
 
+def _obey(watch: _Watch, line: bytes) -> bool:
+    """Carry out one line from pytest; True for ``finish``."""
+    command, _, arg = line.decode(errors="replace").partition(" ")
+    if command == "test":
+        watch.test = arg
+    elif command == "spare":
+        watch.spare.add(int(arg))
+    elif command == "helper":
+        helper = _read(int(arg))
+        if helper is not None:
+            watch.helpers.append(helper)
+    elif command == "child":
+        pid, ppid, pgid, sid, start = map(int, arg.split())
+        watch.note(_Proc(pid, ppid, pgid, sid, start, "?"))
+    return command == "finish"
+
+
 def main(root: int) -> int:
     """The watcher: scans until pytest asks (``finish`` on stdin) or dies; then sweeps."""
     watch = _Watch(root)
     watch.scan()
     print("ready", flush=True)
-    stdin = sys.stdin.buffer
+    stdin = sys.stdin.buffer.fileno()
     pending = b""
     while True:
-        if os.getppid() != root:  # pytest is gone without asking: clean up all the same
+        # pytest gone without asking: what it said before it went is read first (a process it
+        # started just before it died may be known from nothing else), then all is cleaned up.
+        gone = os.getppid() != root
+        ready, _, _ = select.select([stdin], [], [], 0 if gone else SCAN_S)
+        data = os.read(stdin, 65536) if ready else b""
+        pending += data
+        *lines, pending = pending.split(b"\n")
+        for line in lines:
+            if _obey(watch, line):
+                print(json.dumps([asdict(s) for s in watch.sweep()]), flush=True)
+                return 0
+        if gone and not data:
             strays = watch.sweep()
             if strays:
                 print(f"fuelline test watcher: pytest is gone; killed {len(strays)} processes it left: "
                       + "; ".join(f"{s.pid} {s.cmdline}" for s in strays), file=sys.stderr, flush=True)
             return 0
-        ready, _, _ = select.select([stdin], [], [], SCAN_S)
-        if ready:
-            data = os.read(stdin.fileno(), 65536)
-            if not data:
-                continue  # pytest closed its end: the parent check above decides
-            pending += data
-            *lines, pending = pending.split(b"\n")
-            for line in lines:
-                command, _, arg = line.decode(errors="replace").partition(" ")
-                if command == "test":
-                    watch.test = arg
-                elif command == "spare":
-                    watch.spare.add(int(arg))
-                elif command == "helper":
-                    helper = _read(int(arg))
-                    if helper is not None:
-                        watch.helpers.append(helper)
-                elif command == "child":
-                    pid, ppid, pgid, sid, start = map(int, arg.split())
-                    watch.note(_Proc(pid, ppid, pgid, sid, start, "?"))
-                elif command == "finish":
-                    print(json.dumps([asdict(s) for s in watch.sweep()]), flush=True)
-                    return 0
-        watch.scan()
+        if ready and not data:
+            continue  # pytest closed its end: the parent check decides
+        if not gone:
+            watch.scan()
 
 
 class Watcher:
