@@ -159,7 +159,7 @@ def test_a_process_pytest_named_just_before_it_died_is_killed(tmp_path: Path) ->
     from nothing else (here a sleeper whose launcher, in a session of its own, exited before any
     scan). The watcher's root is a process that is not its parent, so it finds pytest gone on its
     first look, with the line already waiting on its stdin."""
-    from support.strays import _read
+    from support.strays import _read, child_line
 
     code = ("import subprocess, sys; print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], "
             "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
@@ -171,7 +171,7 @@ def test_a_process_pytest_named_just_before_it_died_is_killed(tmp_path: Path) ->
     assert leader is not None and _alive(sleeper)
     root = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
     said, stdin = os.pipe()
-    os.write(stdin, f"child {leader.pid} {leader.ppid} {leader.pgid} {leader.sid} {leader.start}\n".encode())
+    os.write(stdin, (child_line(leader) + "\n").encode())
     os.close(stdin)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     try:

@@ -206,6 +206,11 @@ def _table_of(pid: int) -> dict[int, _Proc]:
     return {} if proc is None else {pid: proc}
 
 
+def child_line(proc: _Proc) -> str:
+    """What pytest tells the watcher of a process it started (read back by ``_obey``)."""
+    return f"child {proc.pid} {proc.ppid} {proc.pgid} {proc.sid} {proc.start}"
+
+
 def _obey(watch: _Watch, line: bytes) -> bool:
     """Carry out one line from pytest; True for ``finish``."""
     command, _, arg = line.decode(errors="replace").partition(" ")
@@ -283,7 +288,7 @@ class Watcher:
         next scan (a launcher in a session of its own that exits at once, leaving its children)."""
         proc = _read(pid)  # (readable until it is reaped, which its caller does later)
         if proc is not None:
-            self.tell(f"child {proc.pid} {proc.ppid} {proc.pgid} {proc.sid} {proc.start}")
+            self.tell(child_line(proc))
 
     def finish(self) -> list[Stray]:
         self.tell("finish")
