@@ -17,6 +17,7 @@ FLAGS = {
     "seed": "--seed",
     "shuffle": "--shuffle",
     "shuffle_block": "--shuffle-block",
+    "order": "--order-version",
     "window": "--window",
     "hop": "--hop",
     "max_gap": "--max-gap",

@@ -167,9 +167,13 @@ class FingerprintMismatch(DataError):
             detail = "; ".join(
                 f"{k} is {_part(self.pinned, k)} {pinned_at} and {_part(theirs, k)} {got_at}" for k in self.differences
             )
+        advice = "serve the same files with the same options"
+        if (self.got is not None and "order" in self.differences and (self.pinned.get("order") or "").isdigit()
+                and self.pinned.get("shuffle") == self.got.get("shuffle") == "true"):
+            # (A server of a newer release serves an older order on request.)
+            advice += f" (`fuelline serve --order-version {self.pinned['order']}` serves order {self.pinned['order']})"
         super().__init__(
-            f"{context}{detail}: positions there mean other batches, so none of its batches is delivered; "
-            "serve the same files with the same options"
+            f"{context}{detail}: positions there mean other batches, so none of its batches is delivered; {advice}"
         )
 
     def __reduce__(self) -> tuple:

@@ -167,6 +167,7 @@ def test_a_local_clients_move_to_the_unix_socket_is_not_logged_at_info(sample_da
 @pytest.mark.parametrize("b_options,named", [
     (("--batch-size", "128"), "--batch-size 64 at {a} and --batch-size 128 at {b}"),
     (("--batch-size", "64", "--no-shuffle"), "--shuffle at {a} and --no-shuffle at {b}"),
+    (("--batch-size", "64", "--order-version", "1"), "--order-version 2 at {a} and --order-version 1 at {b}"),
 ])
 def test_servers_of_one_reader_that_disagree_are_named_by_the_option(
     sample_dataset: Path, start_serve, b_options: tuple[str, ...], named: str,
@@ -179,7 +180,10 @@ def test_servers_of_one_reader_that_disagree_are_named_by_the_option(
     message = str(info.value)
     assert named.format(a=f"tcp://{a}", b=f"tcp://{b}") in message, message
     assert "--seed" not in message, message  # the same seed, though only one server uses it
-    assert message.endswith("serve the same files with the same options"), message  # the rest is kept
+    tail = "serve the same files with the same options"
+    if "--order-version" in named:
+        tail += " (`fuelline serve --order-version 2` serves order 2)"
+    assert message.endswith(tail), message  # the rest is kept
 
 
 def _with_bad_shards(sample_dataset: Path, tmp_path: Path) -> tuple[Path, Path, Path]:

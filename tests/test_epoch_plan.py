@@ -1,5 +1,6 @@
 """The epoch's plan is made a block at a time: the same order as made whole, and a reader is
-served as soon as the blocks up to its rows are made, its first units decoding meanwhile."""
+served as soon as the blocks its rows need are made (its own; in order 1, every one up to its
+rows), its first units decoding meanwhile."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import threading
 from concurrent.futures import Future
 
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from fuelline.server.sources.contract import Waiting
-from fuelline.server.sources.ordering import EpochPlan, RankRows, epoch_order, rank_rows, rows_per_rank
+from fuelline.server.sources.ordering import ORDER_VERSIONS, EpochPlan, RankRows, epoch_order, rank_rows, rows_per_rank
 
 from support.workers import FakeUnits
 
@@ -24,12 +26,13 @@ TIMEOUT = 20.0
     block=st.integers(1, 6),
     shuffle=st.booleans(),
     spans=st.lists(st.tuples(st.integers(0, 1200), st.integers(0, 300)), min_size=1, max_size=8),
+    version=st.sampled_from(ORDER_VERSIONS),
 )
 def test_spans_asked_in_any_order_are_those_of_the_order_made_whole(
-    lengths: list[int], seed: int, block: int, shuffle: bool, spans: list[tuple[int, int]]
+    lengths: list[int], seed: int, block: int, shuffle: bool, spans: list[tuple[int, int]], version: int
 ) -> None:
-    whole = epoch_order(np.array(lengths), seed, 4, shuffle, block)
-    plan = EpochPlan(np.array(lengths), seed, 4, shuffle, block)
+    whole = epoch_order(np.array(lengths), seed, 4, shuffle, block, version)
+    plan = EpochPlan(np.array(lengths), seed, 4, shuffle, block, version)
     for lo, n in spans:
         got = plan.span(lo, lo + n)
         want = whole[(lo + np.arange(n)) % len(whole)] if len(whole) else whole[:0]
@@ -39,24 +42,33 @@ def test_spans_asked_in_any_order_are_those_of_the_order_made_whole(
 
 
 @settings(max_examples=60, deadline=None)
-@given(total=st.integers(1, 300), world=st.integers(1, 9), block=st.integers(1, 5), chunk=st.integers(1, 50))
-def test_a_ranks_rows_taken_in_chunks_are_its_span_of_the_whole_order(total: int, world: int, block: int, chunk: int) -> None:
+@given(total=st.integers(1, 300), world=st.integers(1, 9), block=st.integers(1, 5), chunk=st.integers(1, 50),
+       version=st.sampled_from(ORDER_VERSIONS))
+def test_a_ranks_rows_taken_in_chunks_are_its_span_of_the_whole_order(total: int, world: int, block: int, chunk: int,
+                                                                       version: int) -> None:
     lengths = np.array([total // 3, total - total // 3 - total // 5, total // 5])
-    whole = epoch_order(lengths, 9, 0, True, block)
+    whole = epoch_order(lengths, 9, 0, True, block, version)
     for rank in range(world):
-        rows = RankRows(EpochPlan(lengths, 9, 0, True, block), rank, world)
+        rows = RankRows(EpochPlan(lengths, 9, 0, True, block, version), rank, world)
         assert len(rows) == rows_per_rank(total, world)
         taken = np.concatenate([rows.take(lo, lo + chunk) for lo in range(0, len(rows), chunk)])
         assert np.array_equal(taken, rank_rows(whole, rank, world))
 
 
-def test_a_plan_made_on_its_own_thread_is_the_same_order_and_says_when_a_span_is_made() -> None:
+@pytest.mark.parametrize("version", ORDER_VERSIONS)
+def test_a_plan_made_on_its_own_thread_is_the_same_order_and_says_when_a_span_is_made(version: int) -> None:
     lengths = np.full(64, 5000)
-    whole = epoch_order(lengths, 3, 1, True, 4)
-    plan = EpochPlan(lengths, 3, 1, True, 4).start()
+    whole = epoch_order(lengths, 3, 1, True, 4, version)
+    plan = EpochPlan(lengths, 3, 1, True, 4, version).start()
     last = plan.pending(plan.total - 10, plan.total)
     if last is not None:
         last.result(timeout=TIMEOUT)
+    assert plan.pending(plan.total - 10, plan.total) is None
+    if version == 1:  # (a chained plan's last block is made after every other)
+        assert plan.pending(0, plan.total) is None
+    whole_made = plan.pending(0, plan.total)
+    if whole_made is not None:
+        whole_made.result(timeout=TIMEOUT)
     assert plan.pending(0, plan.total) is None
     assert np.array_equal(plan.order, whole)
     assert plan.order.itemsize == 4  # row ids that fit in 32 bits are held in 32 bits
@@ -95,19 +107,81 @@ class HeldPlan(EpochPlan):
         super()._fill_block(b)
 
 
-def test_a_ranks_first_batch_needs_only_the_blocks_up_to_its_rows() -> None:
+@pytest.mark.parametrize("version", ORDER_VERSIONS)
+def test_rank_0s_first_batch_needs_only_the_first_block(version: int) -> None:
     lengths = np.full(40, 1000)
-    plan = HeldPlan(lengths, 5, 0, True, 4, held=1)  # its thread made block 0 only
-    source = RowUnits(40, [plan], batch_size=32, seed=5, shuffle=True, shuffle_block=4, decoded_cache_mb=0)
+    plan = HeldPlan(lengths, 5, 0, True, 4, version, held=1)  # its thread made block 0 only
+    source = RowUnits(40, [plan], batch_size=32, seed=5, shuffle=True, shuffle_block=4, decoded_cache_mb=0,
+                      order_version=version)
     try:
         batches = source.iter_batches("train", 0, 0, 2, 0, ("sample_id",))
         first = next(batches)
-        assert plan._filled < plan.held + 1, f"{plan._filled} of {plan.n_blocks} blocks made for rank 0's first batch"
-        assert np.array_equal(first["sample_id"], epoch_order(lengths, 5, 0, True, 4)[:32])
+        assert plan.blocks_made() == [0], f"blocks {plan.blocks_made()} of {plan.n_blocks} made for rank 0's first batch"
+        assert np.array_equal(first["sample_id"], epoch_order(lengths, 5, 0, True, 4, version)[:32])
         batches.close()
     finally:
         plan.go.set()
         source.close()
+
+
+class UnstartedPlan(EpochPlan):
+    """A plan with no thread of its own: its readers make the blocks they need."""
+
+    def start(self) -> "UnstartedPlan":
+        return self
+
+
+@pytest.mark.parametrize("version", ORDER_VERSIONS)
+def test_the_last_ranks_first_batch_needs_its_own_block_in_order_2_and_every_one_before_in_order_1(version: int) -> None:
+    lengths = np.full(40, 1000)
+    plan = UnstartedPlan(lengths, 5, 0, True, 4, version)  # the reader makes what it needs
+    source = RowUnits(40, [plan], batch_size=32, seed=5, shuffle=True, shuffle_block=4, decoded_cache_mb=0,
+                      order_version=version)
+    world = 4
+    rank = world - 1
+    try:
+        batches = source.iter_batches("train", 0, rank, world, 0, ("sample_id",))
+        first = next(batches)
+        own = plan.block_at(rows_per_rank(plan.total, world) * rank)
+        assert own == 7
+        want = [own] if version == 2 else list(range(own + 1))
+        assert plan.blocks_made() == want
+        assert np.array_equal(first["sample_id"], rank_rows(epoch_order(lengths, 5, 0, True, 4, version), rank, world)[:32])
+        batches.close()
+    finally:
+        source.close()
+
+
+class RecordedPlan(EpochPlan):
+    """A plan whose own thread waits for ``go`` before its first block, and records the blocks
+    it makes, in turn."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.go = threading.Event()
+        self.by_thread: list[int] = []
+
+    def _fill_block(self, b: int) -> None:
+        if threading.current_thread() is self._thread:
+            assert self.go.wait(TIMEOUT), "the test never let the plan go on"
+            self.by_thread.append(b)
+        super()._fill_block(b)
+
+
+def test_in_order_2_the_plans_thread_makes_the_block_a_reader_waits_for_before_the_others() -> None:
+    lengths = np.full(40, 1000)
+    plan = RecordedPlan(lengths, 5, 0, True, 4, 2).start()
+    try:
+        last = plan.block_at(plan.total - 1)
+        waited = plan.pending(plan.total - 32, plan.total)
+        assert waited is not None and not waited.done()
+        plan.go.set()
+        waited.result(timeout=TIMEOUT)
+        # (The thread may have taken block 0 before the reader asked: then the reader's is next.)
+        assert last in plan.by_thread[:2], f"the plan's thread made blocks {plan.by_thread} before block {last}"
+        assert np.array_equal(plan.span(plan.total - 32, plan.total), epoch_order(lengths, 5, 0, True, 4, 2)[-32:])
+    finally:
+        plan.go.set()
 
 
 class GatedPlan(EpochPlan):
@@ -119,10 +193,10 @@ class GatedPlan(EpochPlan):
         self.reader_waits = threading.Event()
         self.go = threading.Event()
 
-    def _fill_through(self, block: int) -> None:
+    def _ensure(self, blocks) -> None:
         if threading.current_thread() is not self._thread:
             self.reader_waits.set()
-        super()._fill_through(block)
+        super()._ensure(blocks)
 
     def _fill_block(self, b: int) -> None:
         if threading.current_thread() is self._thread:
@@ -131,28 +205,31 @@ class GatedPlan(EpochPlan):
         super()._fill_block(b)
 
 
-def test_a_reader_waiting_for_a_block_being_made_has_it_once_made_not_after_the_next() -> None:
+@pytest.mark.parametrize("version", ORDER_VERSIONS)
+def test_a_reader_waiting_for_a_block_being_made_has_it_once_made_not_after_the_next(version: int) -> None:
     """The plan's thread goes on to the next block as soon as one is made; a reader that waited
     for that one must not wait for the next too (nor, starved of a lock, for the whole plan)."""
     lengths = np.full(40, 1000)
-    plan = GatedPlan(lengths, 5, 0, True, 4).start()
+    plan = GatedPlan(lengths, 5, 0, True, 4, version).start()
     got: list[np.ndarray] = []
     reader = threading.Thread(target=lambda: got.append(plan.span(0, 32).copy()), daemon=True)
     try:
         reader.start()
         reader.join(TIMEOUT / 4)
         assert not reader.is_alive(), "the reader of block 0 still waits while the plan's thread makes block 1"
-        assert plan._filled == 1
-        assert np.array_equal(got[0], epoch_order(lengths, 5, 0, True, 4)[:32])
+        assert plan.blocks_made() == [0]
+        assert np.array_equal(got[0], epoch_order(lengths, 5, 0, True, 4, version)[:32])
     finally:
         plan.go.set()
         reader.join(TIMEOUT)
 
 
-def test_a_serving_loop_waits_for_the_plan_as_for_a_decode_and_the_ranks_units_decode_meanwhile() -> None:
+@pytest.mark.parametrize("version", ORDER_VERSIONS)
+def test_a_serving_loop_waits_for_the_plan_as_for_a_decode_and_the_ranks_units_decode_meanwhile(version: int) -> None:
     lengths = np.full(40, 1000)
-    plan = HeldPlan(lengths, 5, 0, True, 4, held=2)
-    source = RowUnits(40, [plan], batch_size=32, seed=5, shuffle=True, shuffle_block=4, decoded_cache_mb=0)
+    plan = HeldPlan(lengths, 5, 0, True, 4, version, held=2)
+    source = RowUnits(40, [plan], batch_size=32, seed=5, shuffle=True, shuffle_block=4, decoded_cache_mb=0,
+                      order_version=version)
     world, rank = 2, 1  # rank 1's rows start half way through the order: block 5
     try:
         steps = source.iter_steps("train", 0, rank, world, 0, ("sample_id",))
@@ -172,7 +249,7 @@ def test_a_serving_loop_waits_for_the_plan_as_for_a_decode_and_the_ranks_units_d
                 assert isinstance(f, Future)
                 f.result(timeout=TIMEOUT)
             step = next(steps)
-        whole = epoch_order(lengths, 5, 0, True, 4)
+        whole = epoch_order(lengths, 5, 0, True, 4, version)
         assert np.array_equal(step["sample_id"], rank_rows(whole, rank, world)[:32])
         steps.close()
     finally:

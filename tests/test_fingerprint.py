@@ -124,6 +124,43 @@ def test_a_saved_position_resumed_on_another_batch_size_is_refused_naming_batch_
     assert sorted(taken + rest) == list(range(ROWS))
 
 
+def test_a_position_saved_in_order_1_is_refused_by_an_order_2_server_naming_the_option_and_resumes_on_order_1(
+    sample_dataset: Path, start_serve
+) -> None:
+    """Order 2 moves rows to other positions: a position saved on a server of order 1 must not
+    continue on one of order 2 (repeats and gaps), and the error says how to serve order 1."""
+    old = start_serve(sample_dataset, "--batch-size", "100", "--order-version", "1")
+    whole_v1 = epoch([old.endpoint])
+    with ServerDataStream(("sample_id",), endpoints=[old.endpoint], timeout=TIMEOUT) as s:
+        it = s.get_epoch_iterator()
+        taken = [next(it)[0].tolist() for _ in range(5)]
+        state = s.state_dict()
+    assert taken == whole_v1[:5] and state["fingerprint"]["order"] == "1"
+    new = start_serve(sample_dataset, "--batch-size", "100")
+    whole_v2 = epoch([new.endpoint])
+    assert sorted(x for b in whole_v2 for x in b) == list(range(ROWS)) and whole_v2 != whole_v1
+    with ServerDataStream(("sample_id",), endpoints=[new.endpoint], timeout=TIMEOUT) as s:
+        s.load_state_dict(state)
+        with pytest.raises(FingerprintMismatch) as info:
+            next(s.get_epoch_iterator())
+    assert info.value.differences == ["order"]
+    assert f"order is '1' in the saved position and '2' at tcp://127.0.0.1:{new.port}" in str(info.value)
+    assert "`fuelline serve --order-version 1` serves order 1" in str(info.value)
+    again = start_serve(sample_dataset, "--batch-size", "100", "--order-version", "1")
+    with ServerDataStream(("sample_id",), endpoints=[again.endpoint], timeout=TIMEOUT) as s:
+        s.load_state_dict(state)
+        rest = [ids.tolist() for (ids,) in s.get_epoch_iterator()]
+    assert taken + rest == whole_v1
+
+
+def test_storage_order_is_the_same_in_every_order_version_and_so_is_its_fingerprint(sample_dataset: Path) -> None:
+    v1, v2 = (ParquetSource(str(sample_dataset), shuffle=False, order_version=v, batch_size=100) for v in (1, 2))
+    assert v1.fingerprint("train") == v2.fingerprint("train")
+    assert v2.fingerprint("train")["order"] == "1"
+    batches = [[b["sample_id"].tolist() for b in src.iter_batches("train", 0, 0, 1, 0, ("sample_id",))] for src in (v1, v2)]
+    assert batches[0] == batches[1]
+
+
 def test_a_state_without_a_fingerprint_pins_nothing(sample_dataset: Path, start_serve) -> None:
     a = start_serve(sample_dataset, "--batch-size", "100", "--seed", "0")
     with ServerDataStream(("sample_id",), endpoints=[a.endpoint], timeout=TIMEOUT) as s:
@@ -210,7 +247,9 @@ def test_parquet_fingerprint_holds_what_orders_rows_and_nothing_else(sample_data
                                                       cache_mb=1, worker_timeout=5.0)]
     for source in same:
         assert source.fingerprint("train") == base
-    for options, part in [({"seed": 1}, "seed"), ({"batch_size": 32}, "batch_size"), ({"shuffle_block": 2}, "shuffle_block")]:
+    assert base["order"] == "2"
+    for options, part in [({"seed": 1}, "seed"), ({"batch_size": 32}, "batch_size"), ({"shuffle_block": 2}, "shuffle_block"),
+                          ({"order_version": 1}, "order")]:
         assert _differences(base, ParquetSource(str(sample_dataset), **options).fingerprint("train")) == [part]
     assert ParquetSource(str(sample_dataset)).fingerprint("val")["split"] == "val"
     touched = copy / "train" / "part-00001.parquet"

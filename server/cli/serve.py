@@ -34,6 +34,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     serve.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
                        help="shuffle across shards each epoch (off: storage order)")
     serve.add_argument("--shuffle-block", type=positive_int, default=8, help="row groups whose rows are mixed together")
+    serve.add_argument("--order-version", type=int, choices=(1, 2), default=2,
+                       help="how each block's rows are shuffled: 2 (default) by a generator of the block's own, so "
+                            "every rank's first batch waits for its own block only; 1 is the order served before "
+                            "this option existed, to resume a run whose position was saved in it")
     serve.add_argument("--heartbeat", type=seconds, default=1.0, help="seconds of silence before a heartbeat")
     serve.add_argument("--checksum", action=argparse.BooleanOptionalAction, default=True, help="xxh3 checksum per array")
     serve.add_argument("--curve-keys", metavar="DIR",

@@ -375,6 +375,7 @@ class WindowSource(UnitSource):
             "batch_size": self.batch_size,
             "seed": self.seed,
             "shuffle": self.shuffle,
+            "order": self.order_version,
             "storage": storage_info(self.store),
         }
 
@@ -408,7 +409,7 @@ class WindowSource(UnitSource):
             "normalize": self.normalize,
             "stages": text_part(",".join(self.stage_names)),
             "stage_code": self.stage_code,
-            **unit_parts(self.batch_size, self.seed, self.shuffle, self.shuffle_block),
+            **unit_parts(self.batch_size, self.seed, self.shuffle, self.shuffle_block, self.order_version),
         }
 
     def memory_per_client(self, split: str) -> int:

@@ -71,6 +71,7 @@ class UnitSource(BatchSource):
         self.seed = options.seed
         self.shuffle = options.shuffle
         self.shuffle_block = options.shuffle_block
+        self.order_version = options.order_version
         self.on_bad_shard = options.on_bad_shard
         self.workers = options.workers  # processes that decode units; 0: threads of this process
         self.worker_timeout = options.worker_timeout  # seconds a worker may spend on one unit; 0: no limit
@@ -170,7 +171,7 @@ class UnitSource(BatchSource):
     def _new_plan(self, split: str, epoch: int) -> EpochPlan:
         """An epoch's plan, to be made on a thread of its own a block at a time: a reader's first
         batch waits only for the blocks up to its rows, and their units decode meanwhile."""
-        return EpochPlan(self.unit_rows(split), self.seed, epoch, self.shuffle, self.shuffle_block)
+        return EpochPlan(self.unit_rows(split), self.seed, epoch, self.shuffle, self.shuffle_block, self.order_version)
 
     def _readahead_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:

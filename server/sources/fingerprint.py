@@ -39,13 +39,10 @@ from fuelline.server.sources.storage import FileStat, Store
 if TYPE_CHECKING:
     import pyarrow.parquet as pq
 
-__all__ = ["ORDER_VERSION", "CONTENT_KEY", "ContentDigest", "digest", "files_part", "content_part", "unit_parts",
+__all__ = ["CONTENT_KEY", "ContentDigest", "digest", "files_part", "content_part", "unit_parts",
            "callable_name", "stage_code_part", "text_part", "skipped_summary", "read_parquet_footer",
            "arrow_footer_digest", "grid_footers_part", "open_for_footer"]
 
-# What ``fuelline.server.sources.ordering`` makes of the same inputs; a change there that moves rows to
-# other positions changes this, so a client never joins an old position to a new order.
-ORDER_VERSION = "1"
 SHOWN_SKIPPED = 5  # shards or recordings left out that a Welcome lists; the log names every one
 MAX_TEXT = 120  # characters of a part kept as they are; a longer one is cut and digested
 # The key, in a file's metadata (Parquet key-value metadata, an Arrow file's schema), of the xxh3 of
@@ -150,10 +147,14 @@ def arrow_footer_digest(handle: pa.NativeFile) -> str:
     return xxhash.xxh3_64_hexdigest(tail[-length:])
 
 
-def unit_parts(batch_size: int, seed: int, shuffle: bool, shuffle_block: int) -> dict[str, str]:
+def unit_parts(batch_size: int, seed: int, shuffle: bool, shuffle_block: int, order_version: int) -> dict[str, str]:
     """The parts every unit source has: how its rows are ordered and cut into batches. Seed and
-    shuffle block order nothing when rows are served in storage order, so they are left out then."""
-    parts = {"order": ORDER_VERSION, "batch_size": str(batch_size), "shuffle": str(bool(shuffle)).lower()}
+    shuffle block order nothing when rows are served in storage order, so they are left out then.
+    ``order`` is the version of ``fuelline.server.sources.ordering`` that orders them: one that
+    moves rows to other positions has a number of its own, so a client never joins a position
+    of one to another. Storage order is the same in every version, so an unshuffled source keeps
+    the first's number: positions saved in it resume on any."""
+    parts = {"order": str(order_version if shuffle else 1), "batch_size": str(batch_size), "shuffle": str(bool(shuffle)).lower()}
     if shuffle:
         parts.update(seed=str(seed), shuffle_block=str(shuffle_block))
     return parts

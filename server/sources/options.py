@@ -28,6 +28,9 @@ class SourceOptions:
         seed: seeds every epoch's order, with the epoch number.
         shuffle: shuffle across shards each epoch; off: storage order.
         shuffle_block: units (row groups, recordings) whose rows are mixed together.
+        order_version: how each block's rows are shuffled: 2, by a generator of the block's
+            own (a rank's first batch waits for its own block only); 1, the order served before
+            2, for positions saved in it (``fuelline.server.sources.ordering.EpochPlan``).
         on_bad_shard: ``fail`` stops with the name of a shard that cannot be read; ``skip``
             leaves it out, counts it and tells the clients.
         workers: processes that decode units; 0 decodes on threads of the serving process.
@@ -44,6 +47,7 @@ class SourceOptions:
     seed: int = 0
     shuffle: bool = True
     shuffle_block: int = 8
+    order_version: int = 2
     on_bad_shard: str = "fail"
     workers: int = 0
     prefetch: int = 0
@@ -59,6 +63,8 @@ class SourceOptions:
         for name, least in (("batch_size", 1), ("shuffle_block", 1), ("cache_mb", 1), ("workers", 0),
                             ("prefetch", 0), ("decoded_cache_mb", 0), ("stage_threads", 0), ("seed", None)):
             object.__setattr__(self, name, _whole(name, getattr(self, name), least))
+        if self.order_version not in (1, 2):
+            raise OptionError("order_version", f"must be 1 or 2, got {self.order_version!r}")
         if not isinstance(self.worker_timeout, (int, float)) or not 0 <= self.worker_timeout < math.inf:
             raise OptionError("worker_timeout", f"must be >= 0 seconds, got {self.worker_timeout!r}")
 

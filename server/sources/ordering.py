@@ -6,8 +6,9 @@ Order, in three steps:
    generator, seeded by (seed, epoch), permutes the units, so every epoch walks the files in a
    different order.
 2. **Blocks.** Consecutive runs of ``shuffle_block`` units of that permutation form a block; rows are
-   permuted within each block. Rows of different files end up side by side, and a reader needs
-   only one block of decoded units in memory at a time.
+   permuted within each block, by a generator seeded by (seed, epoch, block) (order version 2;
+   version 1 drew every block from the epoch's generator, in turn). Rows of different files end
+   up side by side, and a reader needs only one block of decoded units in memory at a time.
 3. **Ranks.** The epoch's row sequence is padded by wrapping around to a multiple of world_size
    (as torch's DistributedSampler does; the padding is the only duplication), and rank r takes
    the r-th contiguous span. Contiguous spans keep each rank on few units; the global sequence
@@ -27,41 +28,75 @@ import numpy as np
 from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.protocol.messages import MAX_HISTORY_WORLD
 
-__all__ = ["EpochPlan", "RankRows", "epoch_plan", "epoch_rng", "epoch_order", "rank_rows", "rows_per_rank", "batches_per_rank", "remaining_order"]
+__all__ = ["ORDER_VERSION", "ORDER_VERSIONS", "EpochPlan", "RankRows", "epoch_plan", "epoch_rng", "block_rng", "epoch_order", "rank_rows", "rows_per_rank", "batches_per_rank", "remaining_order"]
 
+
+# How the rows of a block are shuffled (``EpochPlan``). A version moves rows to other positions,
+# so it is a part of the sequence fingerprint: a client never joins a position of one to another.
+ORDER_VERSIONS = (1, 2)
+ORDER_VERSION = 2  # the default
 
 def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
-    return np.random.default_rng(np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch)]))
+    return np.random.default_rng(_epoch_seeds(seed, epoch))
+
+
+def block_rng(seed: int, epoch: int, block: int) -> np.random.Generator:
+    """The generator that shuffles the rows of block ``block`` of an epoch (order version 2): a
+    child of the epoch's seed sequence, independent of every other block's."""
+    return np.random.default_rng(np.random.SeedSequence(_epoch_seeds(seed, epoch).entropy, spawn_key=(int(block),)))
+
+
+def _epoch_seeds(seed: int, epoch: int) -> np.random.SeedSequence:
+    return np.random.SeedSequence([int(seed) & 0xFFFFFFFF, int(seed) >> 32, int(epoch)])
+
+
+def _checked_version(order_version: int) -> int:
+    if order_version not in ORDER_VERSIONS:
+        raise ValueError(f"order_version must be one of {ORDER_VERSIONS}, got {order_version!r}")
+    return int(order_version)
 
 
 class EpochPlan:
     """One epoch's order and the blocks it was mixed in, made a block at a time.
 
-    The units' permutation is drawn at once; the order of the rows is then written and shuffled
-    block by block, in serving order, each block's shuffle drawing from the generator where the
-    one before left it: the same draws, hence the same order, as making it whole. A reader needs
-    only the blocks up to its rows, so it is served while the rest of the plan is made (``start``:
-    on a thread of its own), and its first units are decoded meanwhile (``unit_perm`` and
-    ``block_at`` are known from the start). For 38 M rows the whole plan takes about 0.6 s.
+    The units' permutation is drawn at once; the rows of each block are then written and
+    shuffled when a reader first needs them, or by the plan's own thread (``start``), which makes
+    the blocks readers wait for first and the rest in serving order. ``unit_perm`` and
+    ``block_at`` are known from the start, so a reader's first units are decoded meanwhile.
+
+    How a block's rows are shuffled is the order's version (``ORDER_VERSIONS``):
+
+    * **2** (the default): by a generator of the block's own (``block_rng``). Any block is made
+      without the others, so a rank whose rows start at the end of the epoch waits for its own
+      block (about 15 ms for a million rows), never for the blocks before it.
+    * **1**: by the epoch's generator, each block drawing where the one before left it, so
+      block ``b`` is made only after blocks ``0…b-1`` (for 38 M rows the whole plan takes about
+      0.6 s, and the last rank waits for most of it). Served for positions saved in that order.
 
     Attributes:
         unit_perm: the units in serving order.
         shuffle_block: consecutive units of ``unit_perm`` whose rows are mixed together.
         total: rows in the epoch.
         bounds: where each block starts in the order, and the order's end (``n_blocks + 1``).
+        order_version: how the blocks are shuffled (above).
     """
 
-    def __init__(self, unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, shuffle_block: int = 8) -> None:
+    def __init__(self, unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, shuffle_block: int = 8,
+                 order_version: int = ORDER_VERSION) -> None:
         lengths = np.asarray(unit_lengths, dtype=np.int64)
         if shuffle and shuffle_block < 1:
             raise ValueError(f"shuffle_block must be >= 1, got {shuffle_block}")
+        self.order_version = _checked_version(order_version)
         self.total = int(lengths.sum())
         self._unit_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        self._rng: np.random.Generator | None = None
+        self._seed, self._epoch, self._shuffle = seed, epoch, shuffle
+        self._rng: np.random.Generator | None = None  # the epoch's, shared by the blocks of order 1
         if shuffle:
-            self._rng = epoch_rng(seed, epoch)
-            self.unit_perm = self._rng.permutation(len(lengths))
+            epoch_gen = epoch_rng(seed, epoch)
+            self.unit_perm = epoch_gen.permutation(len(lengths))
             self.shuffle_block = shuffle_block
+            if self.order_version == 1:
+                self._rng = epoch_gen
         else:
             self.unit_perm, self.shuffle_block = np.arange(len(lengths)), 1
         self._perm_lengths = lengths[self.unit_perm]
@@ -71,24 +106,34 @@ class EpochPlan:
         # Row ids in 32 bits where they fit: half the memory to hold and to fault in (a 38 M-row
         # plan is 150 MB), and the same order: a shuffle's draws do not depend on the item size.
         self._order = np.empty(self.total, dtype=np.int32 if self.total < 2**31 else np.int64)
-        self._filled = 0  # blocks written and shuffled, in order
+        # A block is made once, by whichever thread needs it first; the others wait for the block
+        # they need, not for a lock: a thread that held a lock while it made each block took it
+        # straight back for the next one, and a reader of a block already made waited on.
+        self._made = [False] * self.n_blocks
+        self._all_made = not self.n_blocks
+        self._making: set[int] = set()
         self._error: BaseException | None = None
-        # One block is made at a time, by whichever thread asks first; the others wait for the
-        # block they need, not for the lock: a thread that held a lock while it made each block
-        # took it straight back for the next one, and a reader of a block already made waited on.
-        self._made = threading.Condition()  # guards _filled, _error and _making
-        self._making = False
-        self._waiters: dict[int, Future[None]] = {}  # a block → the future of a reader waiting for it
-        self._waiters_lock = threading.Lock()
+        self._cond = threading.Condition()  # guards _made, _making, _error, _waiters
+        self._waiters: list[tuple[set[int], Future[None]]] = []  # blocks a reader waits for, its future
         self._thread: threading.Thread | None = None
 
     @property
     def n_blocks(self) -> int:
         return len(self.bounds) - 1
 
+    @property
+    def chained(self) -> bool:
+        """Whether a block is made only after those before it (order 1, shuffled)."""
+        return self._rng is not None
+
+    def blocks_made(self) -> list[int]:
+        """The blocks made so far."""
+        with self._cond:
+            return [b for b, made in enumerate(self._made) if made]
+
     def start(self) -> "EpochPlan":
         """Make the rest of the plan on a thread of its own (a daemon: it only computes)."""
-        if self._thread is None and self._filled < self.n_blocks:
+        if self._thread is None and not self._all_made:
             self._thread = threading.Thread(target=self._make_rest, name="fuelline-plan", daemon=True)
             self._thread.start()
         return self
@@ -96,35 +141,61 @@ class EpochPlan:
     def _make_rest(self) -> None:
         name_this_thread("fl-plan")
         try:
-            self._fill_through(self.n_blocks - 1)
+            while (b := self._next_for_thread()) is not None:
+                self._ensure([b])
         except BaseException:  # (kept, and raised to every reader that needs what is missing)
             pass
 
-    def _fill_through(self, block: int) -> None:
-        """Blocks up to ``block`` made: here, or by the thread already making the next one."""
-        while True:
-            with self._made:
-                while True:
-                    if self._error is not None:
-                        raise self._error
-                    if self._filled > block:
-                        return
-                    if not self._making:
-                        break
-                    self._made.wait()
-                b, self._making = self._filled, True
+    def _next_for_thread(self) -> int | None:
+        """The block the plan's thread makes next: the first a reader waits for, else the first
+        not made; None when every block is made or being made by a reader."""
+        with self._cond:
+            if self._error is not None:
+                return None
+            if self.chained:  # (the next in the chain, even while a reader makes it: then it waits)
+                return next((b for b, made in enumerate(self._made) if not made), None)
+            wanted = [b for blocks, _ in self._waiters for b in blocks if b not in self._making]
+            if wanted:
+                return min(wanted)
+            return next((b for b, made in enumerate(self._made) if not made and b not in self._making), None)
+
+    def _ensure(self, blocks: Sequence[int]) -> None:
+        """Make ``blocks`` (in ascending order; for a chained plan, every block up to its last),
+        here, or wait for the thread already making one of them."""
+        for b in blocks:
+            with self._cond:
+                while not self._made[b] and b in self._making and self._error is None:
+                    self._cond.wait()
+                if self._error is not None:
+                    raise self._error
+                if self._made[b]:
+                    continue
+                self._making.add(b)
             try:
                 self._fill_block(b)
             except BaseException as exc:
-                with self._made:
-                    self._error, self._making = exc, False
-                    self._made.notify_all()
-                self._resolve(exc)
+                with self._cond:
+                    self._error = exc
+                    self._making.discard(b)
+                    self._cond.notify_all()
+                    failed, self._waiters = self._waiters, []
+                for _, future in failed:
+                    future.set_exception(exc)
                 raise
-            with self._made:
-                self._filled, self._making = b + 1, False
-                self._made.notify_all()
-            self._resolve(None)
+            with self._cond:
+                self._made[b] = True
+                self._making.discard(b)
+                self._all_made = all(self._made)
+                self._cond.notify_all()
+                done = []
+                for blocks_left, future in self._waiters:
+                    blocks_left.discard(b)
+                    if not blocks_left:
+                        done.append(future)
+                if done:
+                    self._waiters = [(left, f) for left, f in self._waiters if left]
+            for future in done:
+                future.set_result(None)
 
     def _fill_block(self, b: int) -> None:
         lo, hi = int(self.bounds[b]), int(self.bounds[b + 1])
@@ -135,20 +206,17 @@ class EpochPlan:
             first = int(self._unit_start[u])
             self._order[at:at + n] = np.arange(first, first + n, dtype=self._order.dtype)
             at += n
+        if not self._shuffle:
+            return
         if self._rng is not None:
-            # Shuffled in place: the same swaps, from the same draws, as permuting an arange of
-            # its length and gathering by it, so the same order, without the two temporaries.
-            self._rng.shuffle(self._order[lo:hi])
-
-    def _resolve(self, error: BaseException | None) -> None:
-        with self._waiters_lock:
-            done = [b for b in self._waiters if b < self._filled or error is not None]
-            futures = [self._waiters.pop(b) for b in done]
-        for future in futures:
-            if error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error)
+            # Order 1: the epoch's generator, where the block before left it (made first).
+            assert b == 0 or self._made[b - 1], f"block {b} of a chained plan made before block {b - 1}"
+            rng = self._rng
+        else:
+            rng = block_rng(self._seed, self._epoch, b)
+        # Shuffled in place: the same swaps, from the same draws, as permuting an arange of its
+        # length and gathering by it, so the same order, without the two temporaries.
+        rng.shuffle(self._order[lo:hi])
 
     def block_at(self, position: int) -> int:
         """The block that position ``position`` of the order (``0 <= position < total``) is in."""
@@ -159,37 +227,48 @@ class EpochPlan:
         unit = int(np.searchsorted(self._unit_start, row, side="right")) - 1
         return int(np.flatnonzero(self.unit_perm == unit)[0]) // self.shuffle_block
 
-    def _needed(self, lo: int, hi: int) -> int:
-        """The last block positions ``lo…hi`` (taken modulo ``total``) need; -1 for none."""
+    def _needed(self, lo: int, hi: int) -> list[int]:
+        """The blocks positions ``lo…hi`` (taken modulo ``total``) need, ascending: those they lie
+        in, and, in a chained plan, every block before them."""
         if hi <= lo or not self.total:
-            return -1
-        return self.block_at(hi - 1) if hi <= self.total else self.n_blocks - 1
+            return []
+        if hi - lo >= self.total:
+            return list(range(self.n_blocks))
+        start = lo % self.total
+        wraps = start + (hi - lo) > self.total  # (around the end: the padding of the last ranks)
+        first, last = self.block_at(start), self.block_at((hi - 1) % self.total)
+        if self.chained:
+            return list(range(self.n_blocks if wraps else last + 1))
+        if wraps:
+            return sorted({*range(last + 1), *range(first, self.n_blocks)})
+        return list(range(first, last + 1))
 
     def pending(self, lo: int, hi: int) -> "Future[None] | None":
         """None if positions ``lo…hi`` of the order are made; else a future done when they are
-        (made on the plan's thread: ``start`` it first, or this makes them here)."""
-        block = self._needed(lo, hi)
-        if block < self._filled:
+        (made on the plan's thread, before the blocks no reader waits for: ``start`` it first,
+        or this makes them here)."""
+        if self._all_made:
             return None
+        blocks = self._needed(lo, hi)
         if self._thread is None:
-            self._fill_through(block)
+            self._ensure(blocks)
             return None
-        with self._waiters_lock:
-            if block < self._filled or self._error is not None:
-                future: Future[None] = Future()
-                if self._error is not None:
-                    future.set_exception(self._error)
-                else:
-                    future.set_result(None)
+        future: Future[None] = Future()
+        with self._cond:
+            if self._error is not None:
+                future.set_exception(self._error)
                 return future
-            return self._waiters.setdefault(block, Future())
+            missing = {b for b in blocks if not self._made[b]}
+            if not missing:
+                return None
+            self._waiters.append((missing, future))
+        return future
 
     def span(self, lo: int, hi: int) -> np.ndarray:
         """Global row ids at positions ``lo…hi`` of the order, wrapping around its end (the
         padding of the last ranks); waits for (or makes) the blocks they are in. Read-only."""
-        block = self._needed(lo, hi)
-        if block >= self._filled:
-            self._fill_through(block)
+        if not self._all_made:
+            self._ensure(self._needed(lo, hi))
         if hi <= self.total:
             out = self._order[lo:hi]
         else:
@@ -205,7 +284,8 @@ class EpochPlan:
 
 
 def epoch_plan(
-    unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, shuffle_block: int = 8
+    unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, shuffle_block: int = 8,
+    order_version: int = ORDER_VERSION,
 ) -> EpochPlan:
     """The plan of one epoch, made whole.
 
@@ -214,17 +294,19 @@ def epoch_plan(
         seed, epoch: the epoch's generator is seeded by both.
         shuffle: False serves storage order (one unit per block).
         shuffle_block: how many consecutive units (after the unit permutation) mix their rows.
+        order_version: how a block's rows are shuffled (``EpochPlan``).
     """
-    plan = EpochPlan(unit_lengths, seed, epoch, shuffle, shuffle_block)
+    plan = EpochPlan(unit_lengths, seed, epoch, shuffle, shuffle_block, order_version)
     plan.span(0, plan.total)
     return plan
 
 
 def epoch_order(
-    unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, shuffle_block: int = 8
+    unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, shuffle_block: int = 8,
+    order_version: int = ORDER_VERSION,
 ) -> np.ndarray:
     """Global row ids of one epoch, in the order they are served (before sharding)."""
-    return epoch_plan(unit_lengths, seed, epoch, shuffle, shuffle_block).order
+    return epoch_plan(unit_lengths, seed, epoch, shuffle, shuffle_block, order_version).order
 
 
 def rows_per_rank(total: int, world_size: int) -> int:

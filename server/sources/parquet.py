@@ -353,6 +353,7 @@ class ParquetSource(UnitSource):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shuffle_block": self.shuffle_block,
+            "order": self.order_version,
             **self._labels[split],
             **({"stages": list(self.stage_names)} if self.stage_names else {}),
             **skipped_summary(self.skipped, split, "skipped_shards"),
@@ -374,7 +375,7 @@ class ParquetSource(UnitSource):
             "footers": content_part(sp.footers),
             "stages": text_part(",".join(self.stage_names)),
             "stage_code": self.stage_code,
-            **unit_parts(self.batch_size, self.seed, self.shuffle, self.shuffle_block),
+            **unit_parts(self.batch_size, self.seed, self.shuffle, self.shuffle_block, self.order_version),
         }
 
     def memory_per_client(self, split: str) -> int:
