@@ -16,12 +16,13 @@ from fuelline.client.checkpoint import (
     resume_from,
     stream_from_state,
 )
-from fuelline.client.connection import Connection, Item
+from fuelline.client.connection import FILES_PER_CONNECTION, FILES_PER_CONTEXT, Connection, Item
 from fuelline.client.curve import CurveKeys
 from fuelline.client.device import device_placement
 from fuelline.client.signature import stream_arguments
 from fuelline.client.turns import take_in_turn
 from fuelline.protocol import DEFAULT_LIMITS, Hello, Limits
+from fuelline.protocol.common import descriptors
 from fuelline.protocol.common.endpoints import tcp_endpoint
 from fuelline.protocol.common.ports import check_port
 
@@ -367,14 +368,24 @@ class ServerDataStream:
         if not self._conns:
             n = len(self.endpoints)
             hwm = -(-self.hwm // n)  # the reader's prefetch, shared among its servers
-            self._conns = [
-                Connection(
-                    endpoint, hello, hwm=hwm, heartbeat=self.heartbeat, timeout=self.timeout, verify=self._verify,
-                    limits=self._limits, context=self._context, curve=self._curve, local=self._local,
-                    connect_timeout=self.connect_timeout, shared_memory=self._shared_memory,
-                )
-                for endpoint, hello in zip(self.endpoints, self._hellos)
-            ]
+            # (The usual soft limit of 1,024 files would run out at about 120 servers.)
+            descriptors.make_room(FILES_PER_CONTEXT + FILES_PER_CONNECTION * n)
+            conns: list[Connection] = []
+            try:
+                for endpoint, hello in zip(self.endpoints, self._hellos):
+                    conns.append(Connection(
+                        endpoint, hello, hwm=hwm, heartbeat=self.heartbeat, timeout=self.timeout, verify=self._verify,
+                        limits=self._limits, context=self._context, curve=self._curve, local=self._local,
+                        connect_timeout=self.connect_timeout, shared_memory=self._shared_memory,
+                    ))
+            except OSError as exc:
+                for conn in conns:
+                    conn.close()
+                if exc.errno not in descriptors.EXHAUSTED:
+                    raise
+                raise descriptors.exhausted(f"opening connection {len(conns) + 1} of {n} ({endpoint})", exc,
+                                            f"a stream takes about {FILES_PER_CONNECTION} a server") from exc
+            self._conns = conns
             if self._saved_fingerprint is not None:
                 for conn in self._conns:
                     conn.hold_to(self._saved_fingerprint, "in the saved position")

@@ -144,7 +144,7 @@ class ServingCore(abc.ABC):
         # ahead of them (held anyway), so a client that lost its in-flight batches gets them again.
         self.recent = RecentBatches(memory_cache + hwm) if memory_cache else None
         self.stats = {"malformed": 0, "dropped_silent": 0, "sessions": 0, "batches": 0, "bytes": 0, "refused_busy": 0,
-                      "errors": 0, "batches_shared": 0}
+                      "errors": 0, "batches_shared": 0, "open_files_near_limit": 0}
         self.status_interval = status_interval  # seconds between status lines in the log; 0: none
         self._status = StatusLine(status_interval, self._clock())
         self._slow_stages: set[str] = set()  # stages already warned about

@@ -37,6 +37,9 @@ PLAIN_COUNTERS = (
     ("remote_bytes", "fuelline_remote_fetched_bytes", "Bytes fetched from remote storage."),
     ("worker_tasks", "fuelline_worker_tasks", "Units decoded by worker processes."),
     ("workers_restarted", "fuelline_worker_restarts", "Worker processes that died and were replaced."),
+    ("open_files_near_limit", "fuelline_open_files_near_limit",
+     "Counts of the open files (every 5 s) that found them near the process's limit, past which no connection "
+     "can be accepted."),
 )
 TIERS = ("memory", "decoded", "disk")
 

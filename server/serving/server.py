@@ -20,6 +20,7 @@ from typing import Any, Callable
 import zmq
 
 from fuelline.protocol import DEFAULT_LIMITS, Bye, Limits, encode
+from fuelline.protocol.common import descriptors
 from fuelline.server.serving.admission import DEFAULT_MAX_CLIENTS, peer_of
 from fuelline.server.serving.core import SLOW_STAGE_BEATS, Sent, ServingCore
 from fuelline.server.serving.keys import CurveConfig
@@ -32,6 +33,9 @@ log = logging.getLogger("fuelline.server")
 
 SHUTDOWN_JOIN = 2.0  # seconds all producer threads together get to finish at shutdown
 RETRY_FULL = 0.005  # seconds between tries at a full send queue
+SPARE_DESCRIPTORS = 64  # open files beyond the clients' connections: shards, pipes, workers, shared memory
+DESCRIPTOR_CHECK = 5.0  # seconds between counts of the open files, which warn when they near the limit
+DESCRIPTOR_WARN_EVERY = 60.0  # seconds between two such warnings
 
 
 class Server(Listener, ServingCore):
@@ -116,6 +120,7 @@ class Server(Listener, ServingCore):
         poller.register(self._wake_pipe.fd, zmq.POLLIN)
         tick = min(self.heartbeat / 4, 0.25)
         next_tick = time.monotonic() + tick
+        self._room_for_clients()
         if ready is not None:
             ready(self.endpoint)  # type: ignore[arg-type]
         # As the last turn left the sessions: one with batches still to prepare leaves no time
@@ -139,12 +144,52 @@ class Server(Listener, ServingCore):
                     next_tick = now + tick
                     if self.on_turn is not None:
                         self.on_turn()
+                    if now >= self._descriptors_at:
+                        self._watch_descriptors(now)
                 if self._vanished:
                     self._drain_requests(router)
                     busy = True  # (what those requests started is prepared next turn, without a wait)
                     self._drop_vanished()
         finally:
             self._shutdown(self._stop_reason or "server loop ended")
+
+    # -- file descriptors (fuelline.protocol.common.descriptors) ---------------------------------
+    _descriptors_at = 0.0  # when the open files are counted next
+    _descriptors_warned = float("-inf")
+
+    def _room_for_clients(self) -> None:
+        """Raise the limit on open files, as far as the hard limit allows, to what ``max_clients``
+        may hold; warn where that is short."""
+        per_client = 2 if self.local else 1  # (a client on the Unix socket keeps its TCP connection)
+        clients = self.admission.max_clients
+        # One more per client: connections that are not sessions (refused busy, not yet said Hello).
+        room = descriptors.make_room(SPARE_DESCRIPTORS + (per_client + 1) * clients)
+        if room is None:
+            return
+        if room.raised:
+            log.info("raised this process's limit on open files from %d to %d, for up to %d clients (--max-clients)",
+                     room.before, room.after, clients)
+        if room.short:
+            log.warning(
+                "%s files are open and this process may open %d (hard limit %d): up to %d clients (--max-clients) may "
+                "need %d more. %s; or lower --max-clients",
+                "?" if room.open is None else room.open, room.after, room.hard, clients, room.needed, self._past_the_limit())
+
+    def _watch_descriptors(self, now: float) -> None:
+        self._descriptors_at = now + DESCRIPTOR_CHECK
+        limit, count = descriptors.limits(), descriptors.open_count()
+        if limit is None or count is None or count < limit[0] - SPARE_DESCRIPTORS // 4:
+            return
+        self.stats["open_files_near_limit"] += 1
+        if now - self._descriptors_warned >= DESCRIPTOR_WARN_EVERY:
+            self._descriptors_warned = now
+            log.warning("%d of the %d files this process may open are open (hard limit %d). %s; or lower --max-clients",
+                        count, limit[0], limit[1], self._past_the_limit())
+
+    @staticmethod
+    def _past_the_limit() -> str:
+        return ("Past the limit libzmq cannot accept a connection and retries at once, for ever, spinning a core, "
+                "and the clients it never accepted hear nothing: " + descriptors.HOW_TO_RAISE)
 
     def _drain_requests(self, router: zmq.Socket) -> None:
         for _ in range(1000):  # bounded, so a flood cannot starve sending
