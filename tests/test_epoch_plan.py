@@ -74,6 +74,33 @@ def test_a_plan_made_on_its_own_thread_is_the_same_order_and_says_when_a_span_is
     assert plan.order.itemsize == 4  # row ids that fit in 32 bits are held in 32 bits
 
 
+class CountedPlan(EpochPlan):
+    """A plan that lists the blocks it makes, in turn."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.made: list[int] = []
+
+    def _fill_block(self, b: int) -> None:
+        self.made.append(b)
+        super()._fill_block(b)
+
+
+def _read_spans(plan: EpochPlan, whole: np.ndarray, seed: int, barrier: threading.Barrier,
+                wrong: list[tuple[int, int]]) -> None:
+    """40 spans of ``plan`` anywhere (wrapping around its end), each waited for as a serving loop
+    does and then taken; those that differ from ``whole`` go to ``wrong``."""
+    r = np.random.default_rng(seed)
+    barrier.wait(TIMEOUT)
+    for _ in range(40):
+        lo, n = int(r.integers(0, 2 * plan.total)), int(r.integers(0, 700))
+        pending = plan.pending(lo, lo + n)
+        if pending is not None:
+            pending.result(timeout=TIMEOUT)
+        if not np.array_equal(plan.span(lo, lo + n), whole[(lo + np.arange(n)) % plan.total]):
+            wrong.append((lo, n))
+
+
 @pytest.mark.parametrize("version", ORDER_VERSIONS)
 def test_readers_on_many_threads_and_the_plans_own_get_the_order_made_whole(version: int) -> None:
     """Blocks made by whichever thread asks first, with the plan's thread going on meanwhile: every
@@ -81,40 +108,20 @@ def test_readers_on_many_threads_and_the_plans_own_get_the_order_made_whole(vers
     lengths = np.random.default_rng(3).integers(50, 400, 60)
     whole = epoch_order(lengths, 11, 2, True, 3, version)
     for trial in range(5):
-        made: list[int] = []
-
-        class Counted(EpochPlan):
-            def _fill_block(self, b: int) -> None:
-                made.append(b)
-                super()._fill_block(b)
-
-        plan = Counted(lengths, 11, 2, True, 3, version)
+        plan = CountedPlan(lengths, 11, 2, True, 3, version)
         if trial % 2:
             plan.start()
         wrong: list[tuple[int, int]] = []
         barrier = threading.Barrier(8)
-
-        def read(seed: int) -> None:
-            r = np.random.default_rng(seed)
-            barrier.wait(TIMEOUT)
-            for _ in range(40):
-                lo = int(r.integers(0, 2 * plan.total))
-                n = int(r.integers(0, 700))
-                want = whole[(lo + np.arange(n)) % plan.total]
-                pending = plan.pending(lo, lo + n)
-                if pending is not None:
-                    pending.result(timeout=TIMEOUT)
-                if not np.array_equal(plan.span(lo, lo + n), want):
-                    wrong.append((lo, n))
-
-        readers = [threading.Thread(target=read, args=(100 * trial + i,), daemon=True) for i in range(8)]
+        readers = [threading.Thread(target=_read_spans, args=(plan, whole, 100 * trial + i, barrier, wrong), daemon=True)
+                   for i in range(8)]
         for t in readers:
             t.start()
         for t in readers:
             t.join(TIMEOUT)
         assert not any(t.is_alive() for t in readers), "a reader hung"
         assert wrong == [], wrong[:5]
-        assert sorted(made) == sorted(set(made)), "a block was made twice"
+        assert sorted(plan.made) == sorted(set(plan.made)), "a block was made twice"
         assert np.array_equal(plan.order, whole)
 
 
