@@ -4,7 +4,10 @@ rows), its first units decoding meanwhile."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
+import weakref
 from concurrent.futures import Future
 
 import numpy as np
@@ -72,6 +75,38 @@ def test_a_plan_made_on_its_own_thread_is_the_same_order_and_says_when_a_span_is
     assert plan.pending(0, plan.total) is None
     assert np.array_equal(plan.order, whole)
     assert plan.order.itemsize == 4  # row ids that fit in 32 bits are held in 32 bits
+
+
+class QuickIdlePlan(EpochPlan):
+    idle_end = 0.2  # (seconds its thread waits for work before it ends)
+
+
+@pytest.mark.parametrize("version", ORDER_VERSIONS)
+def test_the_plans_thread_makes_the_blocks_after_those_asked_for_then_ends_and_holds_nothing(version: int) -> None:
+    lengths = np.full(40, 1000)  # 10 blocks of 4 units
+    plan = QuickIdlePlan(lengths, 5, 0, True, 4, version).start()
+    whole = epoch_order(lengths, 5, 0, True, 4, version)
+    assert np.array_equal(plan.span(0, 32), whole[:32])
+    deadline = time.monotonic() + TIMEOUT
+    while plan._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # (polling the thread's end; the deadline bounds it)
+    assert plan._thread is None, "the plan's thread never ended"
+    assert plan.blocks_made() == [0, 1, 2]  # the block asked for and the two after it, no more
+    # Asked for a block further on, a new thread makes it, and the two after it.
+    at = int(plan.bounds[6])
+    waited = plan.pending(at, at + 32)
+    assert waited is not None
+    waited.result(timeout=TIMEOUT)
+    assert np.array_equal(plan.span(at, at + 32), whole[at:at + 32])
+    deadline = time.monotonic() + TIMEOUT
+    while plan._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert plan.blocks_made() == ([0, 1, 2, 6, 7, 8] if version == 2 else list(range(9)))
+    # Its thread gone, nothing holds a plan nobody reads (an epoch's plan is 4 bytes a row).
+    gone = weakref.ref(plan)
+    del plan
+    gc.collect()
+    assert gone() is None
 
 
 class CountedPlan(EpochPlan):
@@ -236,12 +271,13 @@ def test_in_order_2_the_plans_thread_makes_the_block_a_reader_waits_for_before_t
 
 
 class GatedPlan(EpochPlan):
-    """A plan whose own thread makes block 0 only once a reader waits for it, then stops before
-    block 1 until ``go`` is set."""
+    """A plan whose own thread makes block 0 only once a reader waits for it (``making_0`` is set
+    when it has taken it), then stops before block 1 until ``go`` is set."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.reader_waits = threading.Event()
+        self.making_0 = threading.Event()
         self.go = threading.Event()
 
     def _ensure(self, blocks) -> None:
@@ -251,9 +287,18 @@ class GatedPlan(EpochPlan):
 
     def _fill_block(self, b: int) -> None:
         if threading.current_thread() is self._thread:
+            if b == 0:
+                self.making_0.set()
             event = self.reader_waits if b == 0 else self.go
             assert event.wait(TIMEOUT), f"block {b} was never let go on"
         super()._fill_block(b)
+
+
+def _wait_then_read(plan: "GatedPlan", got: list[np.ndarray]) -> None:
+    """Ask for block 0 as a serving loop does (the plan's thread takes it), then read it."""
+    plan.pending(0, 32)
+    assert plan.making_0.wait(TIMEOUT), "the plan's thread never took block 0"
+    got.append(plan.span(0, 32).copy())
 
 
 @pytest.mark.parametrize("version", ORDER_VERSIONS)
@@ -263,7 +308,7 @@ def test_a_reader_waiting_for_a_block_being_made_has_it_once_made_not_after_the_
     lengths = np.full(40, 1000)
     plan = GatedPlan(lengths, 5, 0, True, 4, version).start()
     got: list[np.ndarray] = []
-    reader = threading.Thread(target=lambda: got.append(plan.span(0, 32).copy()), daemon=True)
+    reader = threading.Thread(target=_wait_then_read, args=(plan, got), daemon=True)
     try:
         reader.start()
         reader.join(TIMEOUT / 4)
