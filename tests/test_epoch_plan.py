@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from fuelline.server.sources.contract import Waiting
-from fuelline.server.sources.ordering import ORDER_VERSIONS, EpochPlan, RankRows, epoch_order, rank_rows, rows_per_rank
+from fuelline.server.sources.epoch_plan import ORDER_VERSIONS, EpochPlan
+from fuelline.server.sources.ordering import RankRows, epoch_order, rank_rows, rows_per_rank
 
 from support.workers import FakeUnits
 

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from fuelline.protocol import OptionError
+from fuelline.server.sources.epoch_plan import ORDER_VERSIONS
 from fuelline.server.sources.options import SourceOptions
-from fuelline.server.sources.ordering import ORDER_VERSIONS, batches_per_rank, epoch_order, epoch_plan, rank_rows
+from fuelline.server.sources.ordering import batches_per_rank, epoch_order, epoch_plan, rank_rows
 from fuelline.server.sources.parquet import ParquetSource
 
 unit_lengths = st.lists(st.integers(min_value=1, max_value=50), min_size=1, max_size=30)

@@ -12,7 +12,7 @@ import numpy as np
 
 from fuelline.protocol import DataError
 from fuelline.server.sources.buffers import empty, gathering
-from fuelline.server.sources.ordering import EpochPlan
+from fuelline.server.sources.epoch_plan import EpochPlan
 
 __all__ = ["BlockReader", "Column", "ROWS"]
 

@@ -29,8 +29,9 @@ from fuelline.protocol.common.threadnames import name_this_thread
 from fuelline.server.cache.decoded import DecodedUnits
 from fuelline.server.sources.block_reader import BlockReader, Column
 from fuelline.server.sources.contract import Batches, BatchSource, StageRun, Steps, Waiting
+from fuelline.server.sources.epoch_plan import EpochPlan
 from fuelline.server.sources.options import SourceOptions
-from fuelline.server.sources.ordering import EpochPlan, RankRows, batches_per_rank, rank_rows, remaining_order
+from fuelline.server.sources.ordering import RankRows, batches_per_rank, rank_rows, remaining_order
 from fuelline.server.sources.stage_pool import StagePool
 
 if TYPE_CHECKING:

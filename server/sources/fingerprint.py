@@ -150,7 +150,7 @@ def arrow_footer_digest(handle: pa.NativeFile) -> str:
 def unit_parts(batch_size: int, seed: int, shuffle: bool, shuffle_block: int, order_version: int) -> dict[str, str]:
     """The parts every unit source has: how its rows are ordered and cut into batches. Seed and
     shuffle block order nothing when rows are served in storage order, so they are left out then.
-    ``order`` is the version of ``fuelline.server.sources.ordering`` that orders them: one that
+    ``order`` is the version of ``fuelline.server.sources.epoch_plan`` that orders them: one that
     moves rows to other positions has a number of its own, so a client never joins a position
     of one to another. Storage order is the same in every version, so an unshuffled source keeps
     the first's number: positions saved in it resume on any."""

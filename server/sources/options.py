@@ -30,7 +30,7 @@ class SourceOptions:
         shuffle_block: units (row groups, recordings) whose rows are mixed together.
         order_version: how each block's rows are shuffled: 2, by a generator of the block's
             own (a rank's first batch waits for its own block only); 1, the order served before
-            2, for positions saved in it (``fuelline.server.sources.ordering.EpochPlan``).
+            2, for positions saved in it (``fuelline.server.sources.epoch_plan.EpochPlan``).
         on_bad_shard: ``fail`` stops with the name of a shard that cannot be read; ``skip``
             leaves it out, counts it and tells the clients.
         workers: processes that decode units; 0 decodes on threads of the serving process.
