@@ -23,6 +23,12 @@ from support.workers import FakeUnits
 TIMEOUT = 20.0
 
 
+class ThreadedPlan(EpochPlan):
+    """A plan that starts a thread of its own however small it is (the tests' plans are)."""
+
+    inline_rows = 0
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 40), min_size=1, max_size=25),
@@ -63,7 +69,7 @@ def test_a_ranks_rows_taken_in_chunks_are_its_span_of_the_whole_order(total: int
 def test_a_plan_made_on_its_own_thread_is_the_same_order_and_says_when_a_span_is_made(version: int) -> None:
     lengths = np.full(64, 5000)
     whole = epoch_order(lengths, 3, 1, True, 4, version)
-    plan = EpochPlan(lengths, 3, 1, True, 4, version).start()
+    plan = ThreadedPlan(lengths, 3, 1, True, 4, version).start()
     last = plan.pending(plan.total - 10, plan.total)
     if last is not None:
         last.result(timeout=TIMEOUT)
@@ -78,7 +84,20 @@ def test_a_plan_made_on_its_own_thread_is_the_same_order_and_says_when_a_span_is
     assert plan.order.itemsize == 4  # row ids that fit in 32 bits are held in 32 bits
 
 
-class QuickIdlePlan(EpochPlan):
+@pytest.mark.parametrize("version", ORDER_VERSIONS)
+def test_a_small_plan_is_made_whole_where_it_is_started_without_a_thread(version: int) -> None:
+    lengths = np.full(40, 40)  # 1,600 rows: an epoch of a few batches
+    plan = EpochPlan(lengths, 5, 0, True, 8, version)
+    assert plan.total <= plan.inline_rows
+    threads = threading.active_count()
+    plan.start()
+    assert plan._thread is None and threading.active_count() == threads
+    assert plan.blocks_made() == list(range(plan.n_blocks))
+    assert plan.pending(0, plan.total) is None
+    assert np.array_equal(plan.order, epoch_order(lengths, 5, 0, True, 8, version))
+
+
+class QuickIdlePlan(ThreadedPlan):
     idle_end = 0.2  # (seconds its thread waits for work before it ends)
 
 
@@ -110,7 +129,7 @@ def test_the_plans_thread_makes_the_blocks_after_those_asked_for_then_ends_and_h
     assert gone() is None
 
 
-class CountedPlan(EpochPlan):
+class CountedPlan(ThreadedPlan):
     """A plan that lists the blocks it makes, in turn."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -180,7 +199,7 @@ class RowUnits(FakeUnits):
         return out
 
 
-class HeldPlan(EpochPlan):
+class HeldPlan(ThreadedPlan):
     """A plan whose own thread stops before block ``held`` until ``go`` is set."""
 
     def __init__(self, *args, held: int, **kwargs) -> None:
@@ -239,7 +258,7 @@ def test_the_last_ranks_first_batch_needs_its_own_block_in_order_2_and_every_one
         source.close()
 
 
-class RecordedPlan(EpochPlan):
+class RecordedPlan(ThreadedPlan):
     """A plan whose own thread waits for ``go`` before its first block, and records the blocks
     it makes, in turn."""
 
@@ -271,7 +290,7 @@ def test_in_order_2_the_plans_thread_makes_the_block_a_reader_waits_for_before_t
         plan.go.set()
 
 
-class GatedPlan(EpochPlan):
+class GatedPlan(ThreadedPlan):
     """A plan whose own thread makes block 0 only once a reader waits for it (``making_0`` is set
     when it has taken it), then stops before block 1 until ``go`` is set."""
 

@@ -283,11 +283,13 @@ class UnitSource(BatchSource):
         rows = self._rank_rows(plan, rank, world_size, history)
         count = -(-len(rows) // self.batch_size)
         columns = list(self.column_specs(sources))
+        first_block = rows.first_block(start * self.batch_size)
+        plan.prepare(first_block)  # (made on the plan's thread while the block's units are decoded)
         reader = BlockReader(
             self.unit_rows(split), columns, plan, self._submitter(split, columns),
             skip_bad=self.on_bad_shard == "skip", on_loss=on_loss,
             prefetch=lambda units: self.prefetch_units(split, units), prefetch_blocks=self.prefetch,
-            first_block=rows.first_block(start * self.batch_size),
+            first_block=first_block,
         )
         step = BlockReader.batches_at_once(columns, self.batch_size)
         # A serving loop never runs the user's stages itself: they go to the stage pool, a batch

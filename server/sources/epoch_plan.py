@@ -22,6 +22,9 @@ ORDER_VERSIONS = (1, 2)
 ORDER_VERSION = 2  # the default
 AHEAD_BLOCKS = 2  # blocks the plan's thread makes after each block a reader asks for
 IDLE_END = 5.0  # seconds the plan's thread waits for work before it ends (a later ask starts another)
+# A plan of at most this many rows is made whole where it is started (a millisecond or less): a
+# thread of its own, and the round trips to it, would cost small epochs more than the plan does.
+INLINE_ROWS = 1 << 16
 
 def epoch_rng(seed: int, epoch: int) -> np.random.Generator:
     return np.random.default_rng(_epoch_seeds(seed, epoch))
@@ -71,6 +74,7 @@ class EpochPlan:
     """
 
     idle_end = IDLE_END
+    inline_rows = INLINE_ROWS
 
     def __init__(self, unit_lengths: np.ndarray, seed: int, epoch: int, shuffle: bool = True, shuffle_block: int = 8,
                  order_version: int = ORDER_VERSION) -> None:
@@ -127,7 +131,11 @@ class EpochPlan:
 
     def start(self) -> "EpochPlan":
         """Have a thread of its own make the blocks readers wait for, and those just after the
-        blocks they ask for (a daemon: it only computes, and it ends when idle)."""
+        blocks they ask for (a daemon: it only computes, and it ends when idle); a plan of at
+        most ``inline_rows`` rows is made whole here instead."""
+        if self.total <= self.inline_rows:
+            self._ensure(range(self.n_blocks))
+            return self
         with self._cond:
             self._threaded = True
             self._wake_thread()
@@ -178,6 +186,16 @@ class EpochPlan:
             return first if waited or any(b >= first for b in self._soon) else None
         pick = [b for b in waited if b not in self._making] or [b for b in self._soon if b not in self._making]
         return min(pick) if pick else None
+
+    def prepare(self, block: int) -> None:
+        """A reader will start at ``block``: the plan's thread makes it, and the ``AHEAD_BLOCKS``
+        after it, while the reader gets ready (its first units are decoded meanwhile)."""
+        if not 0 <= block < self.n_blocks or self._made[block]:
+            return
+        with self._cond:
+            if not self._made[block]:
+                self._soon.add(block)
+        self._note_asked([block])
 
     def _note_asked(self, blocks: Sequence[int]) -> None:
         """Blocks a reader asks for: the plan's thread makes the ``AHEAD_BLOCKS`` after each before
