@@ -195,6 +195,7 @@ class EpochPlan:
         with self._cond:
             if not self._made[block]:
                 self._soon.add(block)
+                self._wake_thread()
         self._note_asked([block])
 
     def _note_asked(self, blocks: Sequence[int]) -> None:
