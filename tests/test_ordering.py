@@ -120,5 +120,9 @@ def test_each_order_version_draws_the_order_it_always_drew(version: int, order: 
 def test_an_unknown_order_version_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="order_version"):
         epoch_order(np.array([3]), 0, 0, True, 1, 3)
-    with pytest.raises(OptionError, match="order_version"):
-        SourceOptions(order_version=3)
+    for wrong in (3, 0, True, "2", 2.0):
+        with pytest.raises(OptionError, match="order_version"):
+            SourceOptions(order_version=wrong)
+        with pytest.raises(ValueError, match="order_version"):
+            epoch_order(np.array([3]), 0, 0, True, 1, wrong)
+    assert SourceOptions(order_version=np.int64(1)).order_version == 1  # (a numpy integer is a whole number)

@@ -4,6 +4,7 @@ generators its versions shuffle with. What the order is, and how ranks share it:
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 from concurrent.futures import Future
@@ -41,7 +42,7 @@ def _epoch_seeds(seed: int, epoch: int) -> np.random.SeedSequence:
 
 
 def _checked_version(order_version: int) -> int:
-    if order_version not in ORDER_VERSIONS:
+    if not isinstance(order_version, numbers.Integral) or isinstance(order_version, bool) or order_version not in ORDER_VERSIONS:
         raise ValueError(f"order_version must be one of {ORDER_VERSIONS}, got {order_version!r}")
     return int(order_version)
 

@@ -63,8 +63,10 @@ class SourceOptions:
         for name, least in (("batch_size", 1), ("shuffle_block", 1), ("cache_mb", 1), ("workers", 0),
                             ("prefetch", 0), ("decoded_cache_mb", 0), ("stage_threads", 0), ("seed", None)):
             object.__setattr__(self, name, _whole(name, getattr(self, name), least))
-        if self.order_version not in (1, 2):
+        if not isinstance(self.order_version, numbers.Integral) or isinstance(self.order_version, bool) \
+                or self.order_version not in (1, 2):  # (the versions of fuelline.server.sources.epoch_plan)
             raise OptionError("order_version", f"must be 1 or 2, got {self.order_version!r}")
+        object.__setattr__(self, "order_version", int(self.order_version))
         if not isinstance(self.worker_timeout, (int, float)) or not 0 <= self.worker_timeout < math.inf:
             raise OptionError("worker_timeout", f"must be >= 0 seconds, got {self.worker_timeout!r}")
 
