@@ -35,7 +35,8 @@ BENCHMARKS = ("transport", "parquet", "windows", "pipeline", "overlap", "scaling
 # ``python -m benchmarks.exchange --links``).
 # fuel-stream: fuelline against Fuel 0.2, whose environment is made from the package index on first use.
 # loader-workers: DataLoader(ServerDataset) with 0, 2 and 4 workers against ServerDataStream.
-BY_NAME_ONLY = ("convergence", "cost", "stages", "exchange", "fuel-stream", "loader-workers", "peers")
+# heap: readers in processes of their own, with glibc's heap and with fuelline's.
+BY_NAME_ONLY = ("convergence", "cost", "stages", "exchange", "fuel-stream", "loader-workers", "peers", "heap")
 QUICK = {"rounds": 2, "batches": 20, "gb": 0.005}
 
 
@@ -64,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Two rounds at least: a single run's figure says nothing about its own noise.
     parser.add_argument("--rounds", type=_at_least(2), default=5, help="timed rounds per contender (default 5)")
     parser.add_argument("--batches", type=_at_least(2), default=400,
-                        help="transport, fuel-stream: 3 MB batches per round (default 400, about 1.2 GB)")
+                        help="transport, fuel-stream, heap: 3 MB batches per round (default 400, about 1.2 GB)")
     parser.add_argument("--gb", type=_positive_float, default=1.0,
                         help="parquet: GB of in-memory numbers in the train split (default 1.0)")
     parser.add_argument("--data-dir", type=Path, default=DEFAULT_DATA_DIR,
@@ -169,6 +170,10 @@ def run_one(name: str, args: argparse.Namespace) -> None:
         from benchmarks import fuel_stream
 
         fuel_stream.run(rounds, args.batches, results, before=args.before, quick=quick)
+    elif name == "heap":
+        from benchmarks import heap
+
+        heap.run(rounds, args.batches, results)
     elif name == "peers":
         from benchmarks import peers
 

@@ -227,9 +227,13 @@ def _checked(r: Round, batches: int, who: str) -> Round:
 def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
     """Run the transport benchmark, print its table and write its results; returns the record."""
     from benchmarks import plots
+    from fuelline.client import heap
 
     env = environment()
     batch_bytes = int(np.prod(SHAPE)) * np.dtype(DTYPE).itemsize
+    # Every receiver runs in this process: its heap is set as a fuelline reader's own is, from the
+    # start, so bare pyzmq's receivers, before and after the first fuelline round, run on the same.
+    held = heap.hold("transport benchmark", HWM * batch_bytes)
     with tempfile.TemporaryDirectory(prefix="fuelline-bench-") as logs, ExitStack() as stack:
         bare = stack.enter_context(BareSender())
         bare_ipc = stack.enter_context(BareSender(ipc_path=str(Path(logs) / "bare.sock")))
@@ -300,6 +304,11 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         "consumer's own thread; keep-alive: the client's keep-alive thread), libzmq's I/O threads on both; their "
         "kernel time (the socket copies) is in libzmq's. The receiver's process also holds the idle threads of "
         "the other contenders' clients.",
+        (f"Every receiver runs in the benchmark's process, whose heap is set from the start as a fuelline reader sets "
+         f"its own from its first batch (fuelline.client.heap: glibc's trim threshold {held} bytes, mmap threshold "
+         "32 MB), so that bare pyzmq's receivers and fuelline's run on the same heap; `python -m benchmarks heap` "
+         "measures what that changes, each reader in a process of its own."
+         if held else f"Every receiver runs in the benchmark's process, on glibc's own heap thresholds ({heap.why_left_alone()})."),
     ]
     record, md = build_report(
         "transport", "transport — 3 MB batches over tcp loopback and ipc", results, [gbps],

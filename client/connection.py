@@ -34,6 +34,7 @@ from typing import Any
 
 import zmq
 
+from fuelline.client import heap
 from fuelline.client.curve import CurveKeys, HandshakeWatch
 from fuelline.client.link import Connect, Disconnect, HandshakeDone, Item, Link, Transmit, backoff_delay
 from fuelline.client.slabs import ClientSlabs
@@ -91,6 +92,7 @@ class Connection(Link):
         self._in_take = False  # the user's thread is in take() (set before it waits for the lock)
         self._wake = WakePipe()  # rings the keep-alive thread: credit to return, or closing
         self._sock: zmq.Socket | None = None
+        self._largest = 0  # bytes of the largest message received (see fuelline.client.heap)
 
     # -- the user's side -----------------------------------------------------------------------
     def start(self, seek: int, epoch: int, cursor: int, history: tuple = ()) -> None:
@@ -174,6 +176,7 @@ class Connection(Link):
             self._close_transport()
             self._act()
             self._items.clear()
+        heap.release(id(self))
 
     @property
     def _tick(self) -> float:
@@ -263,6 +266,9 @@ class Connection(Link):
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            if len(frames) > 1 and (nbytes := sum(map(len, frames))) > self._largest:
+                self._largest = nbytes
+                heap.hold(id(self), self._hwm * nbytes)
             self.receive(frames)
             self._act()  # (before the next message: a Welcome may move the link to another socket)
 

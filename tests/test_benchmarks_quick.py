@@ -236,3 +236,18 @@ def test_quick_peers_benchmark_records_fuelline_and_the_dataloader(tmp_path: Pat
     assert len(record["ratios"][f"{fuelline} / {loader}"]["per_round"]) == 2
     assert (tmp_path / "results" / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "row groups/batch" in (tmp_path / "results" / "peers.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_quick_heap_benchmark_reads_each_pass_in_a_process_with_the_heap_it_names(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "heap", "--quick", "--results-dir", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = _record(tmp_path, "heap")
+    kinds = ("bare pyzmq", "fuelline", "fuelline, fresh_arrays")
+    assert set(record["contenders"]) == {f"{k}, {h}" for k in kinds for h in ("glibc's defaults", "fuelline's heap")}
+    for name, entry in record["contenders"].items():
+        assert len(entry["rounds"]) == 2 and all(r["batches"] == 20 and r["faults"] >= 0 for r in entry["rounds"]), name
+        assert entry["GB/s"]["median"] > 0 and entry["receiver CPU ms/batch"]["median"] > 0, name
+    assert "fuelline, fuelline's heap / fuelline, glibc's defaults (page faults/batch)" in record["ratios"]

@@ -1,0 +1,120 @@
+"""A reader keeps the C heap's freed receive buffers for the batches to come (fuelline.client.heap).
+
+libzmq receives every message into a buffer of its own, and glibc gave the freed ones back to the
+kernel in bursts, so the next batches faulted their pages in again. Each reader runs in a process of
+its own: malloc's thresholds are the process's, and are only ever raised.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fuelline.client import heap
+
+BATCH = (1024, 1024)  # float32: 4 MiB a batch
+BATCHES = 240
+HWM = 10
+
+SERVER = f"""
+import numpy as np
+from fuelline.server import start_server
+
+class Repeated:
+    sources = ("features",)
+    def __init__(self):
+        self.array = np.ones({BATCH!r}, dtype=np.float32)
+    def get_epoch_iterator(self, **kwargs):
+        return ((self.array,) for _ in range({BATCHES}))
+
+start_server(Repeated(), port=0, hwm={HWM}, host="127.0.0.1", fresh_arrays=True)
+"""
+
+READER = f"""
+import os, sys
+from fuelline.client import ServerDataStream, heap
+
+def faults():
+    return int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[7])
+
+endpoints = sys.argv[1].split(",")
+local = sys.argv[2] == "local"
+with ServerDataStream(("features",), endpoints=endpoints, hwm={HWM}, timeout=30, local=local) as stream:
+    counted = 0
+    for i, (features,) in enumerate(stream.get_epoch_iterator()):
+        assert features.shape == {BATCH!r} and features[-1, -1] == 1.0
+        if i == 80:
+            start = faults()
+        elif i > 80:
+            counted += 1
+    print("faults_per_batch", (faults() - start) / counted)
+    print("pages_per_batch", features.nbytes // os.sysconf("SC_PAGE_SIZE"))
+    print("transport", stream.transports[0])
+print("held", heap.held())
+print("why", heap.why_left_alone())
+"""
+
+
+@pytest.fixture
+def servers(start_script) -> list[str]:
+    return [start_script(SERVER).endpoint for _ in range(2)]
+
+
+def read(tmp_path: Path, endpoints: list[str], *, local: bool = False, **env: str) -> dict[str, str]:
+    """Read an epoch of every server in a process of its own; what it printed, by first word."""
+    script = tmp_path / "reader.py"
+    script.write_text(textwrap.dedent(READER))
+    environ = {k: v for k, v in os.environ.items() if k not in heap.USER_VARIABLES}
+    environ.pop("FUELLINE_HEAP", None)
+    environ.update(env)
+    done = subprocess.run([sys.executable, str(script), ",".join(endpoints), "local" if local else "tcp"],
+                          capture_output=True, text=True, timeout=120, env=environ)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(line.split(" ", 1) for line in done.stdout.splitlines())
+
+
+def test_a_reader_over_tcp_keeps_freed_buffers_for_what_its_connections_may_hold_and_reuses_their_pages(
+    tmp_path: Path, servers: list[str]
+) -> None:
+    out = read(tmp_path, servers)
+    assert out["transport"].startswith("tcp://"), out
+    # Twice what its connections may hold together: the reader's hwm, shared between its two
+    # servers (5 each), of their largest message (a batch and its header).
+    in_flight = HWM * BATCH[0] * BATCH[1] * 4
+    assert 2 * in_flight <= int(out["held"]) <= 2 * (in_flight + HWM * 4096), out
+    assert out["why"] == "None", out
+    # Its pages are reused, not faulted in again (with glibc's defaults, 10 to 30 % of them were).
+    assert float(out["faults_per_batch"]) < 0.05 * int(out["pages_per_batch"]), out
+
+
+@pytest.mark.parametrize("variable, value, why", [
+    ("FUELLINE_HEAP", "system", "FUELLINE_HEAP=system"),
+    ("MALLOC_TRIM_THRESHOLD_", "1048576", "MALLOC_TRIM_THRESHOLD_ is set"),
+    ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536", "GLIBC_TUNABLES sets glibc.malloc"),
+])
+def test_a_reader_leaves_the_heap_to_a_user_who_chose(tmp_path: Path, servers: list[str], variable: str, value: str,
+                                                       why: str) -> None:
+    out = read(tmp_path, servers[:1], **{variable: value})
+    assert out["held"] == "0" and out["why"] == why, out
+
+
+def test_a_reader_on_the_servers_host_whose_batches_come_in_shared_memory_leaves_the_heap_alone(
+    tmp_path: Path, servers: list[str]
+) -> None:
+    out = read(tmp_path, servers[:1], local=True)
+    assert out["transport"].startswith("ipc://"), out
+    assert out["held"] == "0" and out["why"] == "None", out
+
+
+def test_what_leaves_the_heap_alone_is_named() -> None:
+    assert heap.left_alone({}) is None
+    assert heap.left_alone({"FUELLINE_HEAP": "tuned"}) is None
+    assert heap.left_alone({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}) is None
+    assert heap.left_alone({"MALLOC_TOP_PAD_": "0"}) == "MALLOC_TOP_PAD_ is set"
+    assert heap.left_alone({"MALLOC_MMAP_MAX_": "0"}) == "MALLOC_MMAP_MAX_ is set"
+    assert heap.left_alone({"FUELLINE_HEAP": "system", "MALLOC_TOP_PAD_": "0"}) == "FUELLINE_HEAP=system"
