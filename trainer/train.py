@@ -453,8 +453,10 @@ class Trainer:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from fuelline.protocol.common.logs import configure_logging
+    from fuelline.protocol.common.stacks import dump_stacks_on_usr1
 
     configure_logging(args.log_level, args.log_format)
+    dump_stacks_on_usr1()  # (kill -USR1: where a rank's threads are, on its stderr)
     if "LOCAL_RANK" in os.environ:  # a rank of torchrun's: it ends with its launcher
         exit_with_parent()
     rank, world, device = setup_distributed()

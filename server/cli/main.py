@@ -14,6 +14,7 @@ from typing import Sequence
 
 from fuelline.protocol import FuellineError
 from fuelline.protocol.common.logs import LOG_FORMATS, configure_logging
+from fuelline.protocol.common.stacks import dump_stacks_on_usr1
 from fuelline.protocol.common.version import version_line
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -74,6 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.command_line = list(sys.argv[1:] if argv is None else argv)  # (what serve --processes runs again)
     configure_logging(args.log_level, args.log_format)
+    dump_stacks_on_usr1()  # (kill -USR1: where a stuck process's threads are, on its stderr)
     try:
         return args.func(args)
     except (FuellineError, FileExistsError) as exc:

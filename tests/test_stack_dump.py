@@ -1,0 +1,51 @@
+"""``kill -USR1 PID``: a data server or a trainer rank that seems stuck writes where each of its
+threads is to its stderr, and goes on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+
+from fuelline.client import ServerDataStream
+
+from support.processes import wait_until
+
+TIMEOUT = 30.0
+
+
+def test_a_server_told_usr1_writes_every_threads_stack_and_goes_on_serving(sample_dataset: Path, start_serve) -> None:
+    server = start_serve(sample_dataset, "--status-interval", "0")
+    os.kill(server.proc.pid, signal.SIGUSR1)
+    server.wait_log(r"(?s)Current thread 0x[0-9a-f]+ \(most recent call first\):.*serve_forever", timeout=TIMEOUT)
+    assert server.proc.poll() is None
+    with ServerDataStream(("sample_id",), endpoints=[server.endpoint], timeout=TIMEOUT) as stream:
+        assert len(next(iter(stream.get_epoch_iterator()))[0]) > 0
+
+
+def test_a_trainer_waiting_on_a_silent_server_told_usr1_shows_where_it_waits(tmp_path: Path, zmq_context: zmq.Context) -> None:
+    pytest.importorskip("torch")
+    silent = zmq_context.socket(zmq.ROUTER)  # takes every Hello, answers none
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    err = tmp_path / "trainer.err"
+    with open(err, "w") as stderr:
+        trainer = subprocess.Popen([sys.executable, "-m", "fuelline.trainer", "--servers", f"127.0.0.1:{port}",
+                                    "--width", "8", "--epochs", "1"], stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        assert silent.poll(int(TIMEOUT * 1000)), "the trainer never said Hello"
+        silent.recv_multipart()
+        trainer.send_signal(signal.SIGUSR1)
+        wait_until(lambda: "Current thread" in err.read_text() and "wait_welcome" in err.read_text(), TIMEOUT,
+                   "the trainer's stacks")
+        stacks = err.read_text()
+        assert "fl-keepalive" in stacks or "_keep_alive" in stacks, stacks  # every thread, not only the main one
+        assert trainer.poll() is None, stacks  # and it goes on
+    finally:
+        trainer.kill()
+        trainer.wait(TIMEOUT)
