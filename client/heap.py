@@ -68,7 +68,7 @@ def _find_mallopt() -> str | None:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version  # noqa: B018 (only glibc's heap behaves as described above)
         mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return "not glibc"
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
@@ -107,6 +107,18 @@ def release(key: object) -> None:
     """The connection ``key`` holds nothing any more (thresholds set stay as they are)."""
     with _lock:
         _windows.pop(key, None)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) keeps the thresholds its parent set, but none of its
+    parent's connections, and no lock another thread of the parent held as it forked."""
+    global _lock
+    _lock = threading.Lock()
+    _windows.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def held() -> int:

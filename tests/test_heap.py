@@ -118,3 +118,35 @@ def test_what_leaves_the_heap_alone_is_named() -> None:
     assert heap.left_alone({"MALLOC_TOP_PAD_": "0"}) == "MALLOC_TOP_PAD_ is set"
     assert heap.left_alone({"MALLOC_MMAP_MAX_": "0"}) == "MALLOC_MMAP_MAX_ is set"
     assert heap.left_alone({"FUELLINE_HEAP": "system", "MALLOC_TOP_PAD_": "0"}) == "FUELLINE_HEAP=system"
+
+
+FORKED = f"""
+import os, sys
+from fuelline.client import ServerDataStream, heap
+
+with ServerDataStream(("features",), endpoints=[sys.argv[1]], hwm={HWM}, timeout=30, local=False) as stream:
+    batches = stream.get_epoch_iterator()
+    next(batches)
+    parent_held = heap.held()
+    assert parent_held > 0 and len(heap._windows) == 1
+    # A thread of the parent holds the lock as it forks (a reader's keep-alive thread might).
+    heap._lock.acquire()
+    pid = os.fork()
+    if pid == 0:
+        ok = heap.held() == parent_held and not heap._windows and heap._lock.acquire(timeout=5)
+        os._exit(0 if ok else 1)
+    heap._lock.release()
+    _, status = os.waitpid(pid, 0)
+    print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_reader_keeps_the_thresholds_but_not_its_parents_connections_or_lock(tmp_path: Path,
+                                                                                       servers: list[str]) -> None:
+    script = tmp_path / "forked.py"
+    script.write_text(textwrap.dedent(FORKED))
+    environ = {k: v for k, v in os.environ.items() if k not in heap.USER_VARIABLES and k != "FUELLINE_HEAP"}
+    done = subprocess.run([sys.executable, str(script), servers[0]], capture_output=True, text=True, timeout=120,
+                          env=environ)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "child 0" in done.stdout, done.stdout + done.stderr[-3000:]
