@@ -266,10 +266,11 @@ class Connection(Link):
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(frames) > 1 and (nbytes := sum(map(len, frames))) > self._largest:
+            self.receive(frames)
+            # (Counted once read as the server's: a message refused unread sizes nothing.)
+            if len(frames) > 1 and self._error is None and (nbytes := sum(map(len, frames))) > self._largest:
                 self._largest = nbytes
                 heap.hold(id(self), self._hwm * nbytes)
-            self.receive(frames)
             self._act()  # (before the next message: a Welcome may move the link to another socket)
 
     # -- the link's I/O ---------------------------------------------------------------------------

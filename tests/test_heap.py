@@ -150,3 +150,51 @@ def test_a_forked_reader_keeps_the_thresholds_but_not_its_parents_connections_or
                           env=environ)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "child 0" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+LIAR = """
+import sys
+import numpy as np
+import zmq
+from fuelline.client import ServerDataStream, heap
+from fuelline.protocol import Batch, Hello, ProtocolError, Welcome, decode, encode
+
+honest = sys.argv[1] == "honest"
+ctx = zmq.Context()
+router = ctx.socket(zmq.ROUTER)
+router.setsockopt(zmq.LINGER, 0)
+port = router.bind_to_random_port("tcp://127.0.0.1")
+with ServerDataStream(("x",), endpoints=[f"127.0.0.1:{port}"], timeout=10.0, local=False) as stream:
+    batches = stream.get_epoch_iterator()  # connects and says Hello
+    assert router.poll(10000), "no Hello"
+    rid, *frames = router.recv_multipart()
+    hello = decode(frames)
+    assert isinstance(hello, Hello)
+    welcome = Welcome("s", hello.stream, ("x",), {"x": {"dtype": "<f4", "shape": []}}, 1, 1.0)
+    header, array = encode(Batch(hello.stream, 0, 0, {"x": np.zeros(1 << 20, dtype="<f4")}), checksum=False)
+    if not honest:
+        array = bytes(len(array) + 4)  # four bytes more than its header says
+    router.send_multipart([rid, *encode(welcome)])
+    router.send_multipart([rid, header, array])
+    try:
+        print("rows", len(next(batches)[0]))
+    except ProtocolError as exc:
+        print("error", exc)
+print("held", heap.held())
+router.close(0)
+ctx.term()
+"""
+
+
+@pytest.mark.parametrize("server", ["honest", "lying"])
+def test_only_a_message_read_as_the_servers_sizes_the_heap(tmp_path: Path, server: str) -> None:
+    script = tmp_path / "liar.py"
+    script.write_text(textwrap.dedent(LIAR))
+    environ = {k: v for k, v in os.environ.items() if k not in heap.USER_VARIABLES and k != "FUELLINE_HEAP"}
+    done = subprocess.run([sys.executable, str(script), server], capture_output=True, text=True, timeout=60, env=environ)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    if server == "honest":
+        assert out.get("rows") == str(1 << 20) and int(out["held"]) >= heap.TRIM_FLOOR, out
+    else:
+        assert "frame holds" in out.get("error", "") and out["held"] == "0", out
