@@ -46,8 +46,9 @@ from fuelline.protocol.common.wakepipe import WakePipe
 __all__ = ["Connection", "Item", "backoff_delay", "FILES_PER_CONNECTION", "FILES_PER_CONTEXT"]
 
 # Open files a connection holds at most: its ZeroMQ socket's mailbox, the TCP connection (and the
-# Unix socket's, on the server's host), the two ends of its wake-up pipe, and while it connects the
-# socket monitor's pair (measured: 5.6 a server over TCP, 6.9 on the server's host, at the peak).
+# Unix socket's, on the server's host), its wake-up eventfd (a pipe's two ends off Linux), and
+# while it connects the socket monitor's pair (measured with 8 servers: 4.75 a server over TCP and
+# 6.75 on the server's host at the peak; 2.75 and 4 once reading).
 FILES_PER_CONNECTION = 8
 FILES_PER_CONTEXT = 16  # a ZeroMQ context's own (its I/O thread's poller and mailboxes), with room to spare
 
