@@ -3,6 +3,8 @@ threads is to its stderr, and goes on."""
 
 from __future__ import annotations
 
+import faulthandler
+import io
 import os
 import signal
 import subprocess
@@ -13,6 +15,7 @@ import pytest
 import zmq
 
 from fuelline.client import ServerDataStream
+from fuelline.protocol.common.stacks import dump_stacks_on_usr1
 
 from support.processes import wait_until
 
@@ -49,3 +52,16 @@ def test_a_trainer_waiting_on_a_silent_server_told_usr1_shows_where_it_waits(tmp
     finally:
         trainer.kill()
         trainer.wait(TIMEOUT)
+
+
+def test_a_process_whose_stderr_was_replaced_by_one_without_a_file_uses_its_own_or_none(monkeypatch) -> None:
+    # (A command run in-process under a captured stderr, a notebook's.)
+    try:
+        monkeypatch.setattr(sys, "stderr", io.StringIO())
+        assert dump_stacks_on_usr1() is True  # (sys.__stderr__)
+        monkeypatch.setattr(sys, "__stderr__", io.StringIO())
+        assert dump_stacks_on_usr1() is False
+        monkeypatch.setattr(sys, "__stderr__", None)
+        assert dump_stacks_on_usr1() is False
+    finally:
+        faulthandler.unregister(signal.SIGUSR1)  # (the handler there was before, back)
