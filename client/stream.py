@@ -92,6 +92,13 @@ class ServerDataStream:
     ``(produces_examples, host, port, hwm, axis_labels)`` when the first is a bool. A stream
     pickles without its connections: the copy connects on first use, at the original's position.
 
+    Batches that come through a socket (over TCP, or ``shared_memory=False``) live in buffers
+    libzmq allocates: on glibc, a stream raises its process's malloc trim threshold to twice what
+    its connections may hold in flight (64 MB to 1 GiB) and fixes the mmap threshold at 32 MB, so
+    that freed buffers serve the next batches instead of being faulted in again
+    (``fuelline.client.heap``). ``FUELLINE_HEAP=system``, or glibc's own ``MALLOC_*`` settings
+    in the environment, leave the heap as it is.
+
     Args:
         sources: the sources wanted, in order; None for every source the server has.
         host: the data server's host name or address.
