@@ -271,7 +271,8 @@ class Connection(Link):
             # (Counted once read as the server's: a message refused unread sizes nothing.)
             if len(frames) > 1 and self._error is None and (nbytes := sum(map(len, frames))) > self._largest:
                 self._largest = nbytes
-                heap.hold(id(self), self._hwm * nbytes)
+                if nbytes >= heap.SMALLEST:
+                    heap.hold(id(self), self._hwm * nbytes)
             self._act()  # (before the next message: a Welcome may move the link to another socket)
 
     # -- the link's I/O ---------------------------------------------------------------------------

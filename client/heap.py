@@ -26,7 +26,8 @@ import logging
 import os
 import threading
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_CEILING", "TRIM_FLOOR", "hold", "held", "left_alone", "release", "why_left_alone"]
+__all__ = ["MMAP_THRESHOLD", "SMALLEST", "TRIM_CEILING", "TRIM_FLOOR", "hold", "held", "left_alone", "release",
+           "why_left_alone"]
 
 log = logging.getLogger("fuelline.client")
 
@@ -37,7 +38,7 @@ _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for it on 64-bit (larger values are refused)
 TRIM_FLOOR = 64 << 20  # glibc's own ceiling for its adjusted trim threshold
 TRIM_CEILING = 1 << 30  # the most free memory the process keeps for batches to come
-SMALLEST = 128 << 10  # messages below glibc's first mmap threshold never matter here
+SMALLEST = 128 << 10  # glibc's first mmap threshold: a connection's smaller messages never size the heap
 
 USER_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
@@ -83,9 +84,6 @@ def hold(key: object, nbytes: int) -> int:
     threshold now set (0 where the heap is left alone)."""
     global _held, _why_not
     with _lock:
-        if nbytes < SMALLEST:
-            _windows.pop(key, None)
-            return _held
         _windows[key] = nbytes
         want = min(TRIM_CEILING, max(TRIM_FLOOR, 2 * sum(_windows.values())))
         if want <= _held:
