@@ -39,11 +39,20 @@ class HeapRound(Round):
     """A pass, with the receiving process's minor page faults over its timed span."""
 
     faults: int = field(default=0, kw_only=True)
+    peak_rss_mb: float = field(default=0.0, kw_only=True)  # the reading process's, at the pass's end
 
 
 def _minor_faults() -> int:
     with open("/proc/self/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[7])
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def _counting(batches: Iterable[Any], counts: list[int]) -> Iterator[Any]:
@@ -72,7 +81,7 @@ def read(kind: str, endpoint: str, batches: int, server_pid: int = 0) -> dict[st
         with ServerDataStream(("features",), host=host, port=int(port), hwm=transport.HWM, timeout=TIMEOUT_S,
                               receive_timeout=TIMEOUT_S, local=False) as stream:
             r = time_batches(_counting(stream.get_epoch_iterator(), counts), producer_pid=server_pid)
-    return {**asdict(r), "faults": counts[-1] - counts[0], "held": heap.held()}
+    return {**asdict(r), "faults": counts[-1] - counts[0], "peak_rss_mb": _peak_rss_mb(), "held": heap.held()}
 
 
 def _pass(kind: str, endpoint: str, server_pid: int, batches: int, tuned: bool) -> HeapRound:
@@ -107,6 +116,7 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         gbps = Metric("GB/s", lambda r: r.bytes / r.seconds / 1e9, "{:.3f}")
         faults = Metric("page faults/batch", lambda r: r.faults / (r.batches - 1), "{:.1f}")  # type: ignore[attr-defined]
         cpu = Metric("receiver CPU ms/batch", lambda r: 1e3 * r.consumer_cpu_s / (r.batches - 1), "{:.3f}")
+        rss = Metric("receiver peak RSS MB", lambda r: r.peak_rss_mb, "{:.0f}")  # type: ignore[attr-defined]
         results = alternate(contenders, rounds, lambda r: f"{gbps.of(r):.3f} GB/s, {faults.of(r):.0f} faults/batch")
         stack.close()  # stop the servers now: their exit status belongs in the record
         # (Each pass's bare pyzmq sender is checked to have exited cleanly where it ran.)
@@ -116,6 +126,7 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
     ratios: list[RatioSpec] = []
     for kind in KINDS:
         ratios += [RatioSpec(f"{kind}, {TUNED}", f"{kind}, {SYSTEM}"),
+                   RatioSpec(f"{kind}, {TUNED}", f"{kind}, {SYSTEM}", metric=rss.unit, higher=False),
                    RatioSpec(f"{kind}, {TUNED}", f"{kind}, {SYSTEM}", metric=faults.unit, higher=False),
                    RatioSpec(f"{kind}, {TUNED}", f"{kind}, {SYSTEM}", metric=cpu.unit, higher=False)]
     for kind in KINDS[1:]:
@@ -136,10 +147,11 @@ def run(rounds: int, batches: int, results_dir: Path = RESULTS_DIR) -> dict[str,
         "default, sent as it is with fresh_arrays=True (checksummed).",
         "Page faults: the receiving process's minor faults from its first batch to its last, per batch; CPU: its "
         "CPU time over the same span (all its threads, libzmq's I/O thread included, which receives into the "
-        "buffers that fault). CPU s/GB adds the sending process's (the server, or bare pyzmq's sender).",
+        "buffers that fault). CPU s/GB adds the sending process's (the server, or bare pyzmq's sender). Peak RSS: "
+        "the reading process's high-water mark (VmHWM) at the end of its pass: what the memory it keeps costs.",
     ]
     record, md = build_report("heap", "heap — a reader's receive buffers, glibc's defaults against fuelline's",
-                              results, [gbps, faults, cpu], ratios, parameters, notes, env, exits=exits)
+                              results, [gbps, faults, cpu, rss], ratios, parameters, notes, env, exits=exits)
     print(md, flush=True)
     for path in write_results("heap", record, md, results_dir):
         print(f"wrote {path}", flush=True)

@@ -5,9 +5,9 @@ views of those buffers until the user drops them (nothing is copied on the way i
 memory freed at the top of a heap back to the kernel once more than its trim threshold is free
 there (by default twice the largest block freed so far: about two batches), so a client, which
 holds up to ``hwm`` batches and frees them in bursts, keeps returning pages that the next batches
-fault in again, zero-filled by the kernel: 82 to 294 page faults per 3 MB batch over TCP (bare
-pyzmq, which holds none: 15 to 62). Kept, a reader read 1.31 × the GB/s at 0.69 × its CPU a batch
-(``python -m benchmarks heap``).
+fault in again, zero-filled by the kernel: 65 to 294 page faults per 3 MB batch over TCP (bare
+pyzmq, which holds none: 9 to 62). Kept, a reader read 1.26 to 1.31 × the GB/s at 0.69 to 0.71 ×
+its CPU a batch, for 5 % more peak memory (``python -m benchmarks heap``).
 
 ``hold`` raises the trim threshold to twice what the process's connections may hold in flight
 and fixes the mmap threshold at glibc's own ceiling (setting one threshold turns off glibc's

@@ -250,4 +250,5 @@ def test_quick_heap_benchmark_reads_each_pass_in_a_process_with_the_heap_it_name
     for name, entry in record["contenders"].items():
         assert len(entry["rounds"]) == 2 and all(r["batches"] == 20 and r["faults"] >= 0 for r in entry["rounds"]), name
         assert entry["GB/s"]["median"] > 0 and entry["receiver CPU ms/batch"]["median"] > 0, name
+        assert entry["receiver peak RSS MB"]["median"] > 0, name
     assert "fuelline, fuelline's heap / fuelline, glibc's defaults (page faults/batch)" in record["ratios"]
