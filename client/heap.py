@@ -10,9 +10,10 @@ pyzmq, which holds none: 9 to 62). Kept, a reader read 1.26 to 1.31 × the GB/s 
 its CPU a batch, for 5 % more peak memory (``python -m benchmarks heap``).
 
 ``hold`` raises the trim threshold to twice what the process's connections may hold in flight
-and fixes the mmap threshold at glibc's own ceiling (setting one threshold turns off glibc's
-adjustment of both): freed buffers stay mapped for the next batches, and the process keeps at most
-that much free memory it would soon use again. Thresholds are only raised, never lowered.
+and fixes the mmap threshold at 32 MB, where glibc's own adjustment of it stops (setting one
+threshold turns off glibc's adjustment of both): freed buffers stay mapped for the next batches,
+and the process keeps at most that much free memory it would soon use again. Thresholds are only
+raised, never lowered. A batch over 32 MB is still mapped afresh for each message.
 
 It does nothing off glibc, where the user has chosen (``MALLOC_TRIM_THRESHOLD_``,
 ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TOP_PAD_``, ``MALLOC_MMAP_MAX_``, or ``glibc.malloc.`` in
@@ -35,7 +36,7 @@ log = logging.getLogger("fuelline.client")
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
-MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for it on 64-bit (larger values are refused)
+MMAP_THRESHOLD = 32 << 20  # where glibc's own adjustment of it stops on 64-bit (larger blocks: mapped afresh)
 TRIM_FLOOR = 64 << 20  # glibc's own ceiling for its adjusted trim threshold
 TRIM_CEILING = 1 << 30  # the most free memory the process keeps for batches to come
 SMALLEST = 128 << 10  # glibc's first mmap threshold: a connection's smaller messages never size the heap
