@@ -154,12 +154,17 @@ def test_headline_figures_are_computed(quick_run: tuple[subprocess.CompletedProc
     assert "| scaling | 8 clients, --processes 2 / 1 client, --processes 2 (windows/s) |" in summary
 
 
+def _run_quick(name: str, results: Path, timeout: float) -> None:
+    """``python -m benchmarks NAME --quick --results-dir RESULTS``, which must exit 0."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", name, "--quick", "--results-dir", str(results)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 @pytest.mark.timeout(RUN_TIMEOUT_S)
 def test_quick_exchange_benchmark_runs_and_reports_both_contenders(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "exchange", "--quick", "--results-dir", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S - 20)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _run_quick("exchange", tmp_path, RUN_TIMEOUT_S - 20)
     record = _record(tmp_path, "exchange")
     assert [(c["what"], c["world"]) for c in record["cases"]] == [("exchange", 2), ("step", 2)]
     for case in record["cases"]:
@@ -170,10 +175,7 @@ def test_quick_exchange_benchmark_runs_and_reports_both_contenders(tmp_path: Pat
 
 @pytest.mark.timeout(120)
 def test_quick_fuel_stream_benchmark_reports_fuelline_on_the_host_and_over_tcp(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "fuel-stream", "--quick", "--results-dir", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _run_quick("fuel-stream", tmp_path, 100)
     record = _record(tmp_path, "fuel-stream")
     for name in ("fuelline", "fuelline, TCP"):
         rounds = record["contenders"][name]["rounds"]
@@ -240,10 +242,7 @@ def test_quick_peers_benchmark_records_fuelline_and_the_dataloader(tmp_path: Pat
 
 @pytest.mark.timeout(120)
 def test_quick_heap_benchmark_reads_each_pass_in_a_process_with_the_heap_it_names(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "heap", "--quick", "--results-dir", str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _run_quick("heap", tmp_path, 100)
     record = _record(tmp_path, "heap")
     kinds = ("bare pyzmq", "fuelline", "fuelline, fresh_arrays")
     assert set(record["contenders"]) == {f"{k}, {h}" for k in kinds for h in ("glibc's defaults", "fuelline's heap")}
