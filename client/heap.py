@@ -52,8 +52,12 @@ _why_not: str | None = None  # why the heap is left alone, once known
 
 def left_alone(environ: dict[str, str] | os._Environ[str] = os.environ) -> str | None:
     """Why this process's heap is left as it is (None if fuelline may tune it)."""
-    if environ.get("FUELLINE_HEAP", "") == "system":
+    choice = environ.get("FUELLINE_HEAP", "")
+    if choice == "system":
         return "FUELLINE_HEAP=system"
+    if choice:
+        log.warning("FUELLINE_HEAP=%r is not understood: 'system' leaves the heap to glibc's defaults; "
+                    "a reader keeps its freed receive buffers meanwhile", choice)
     for name in USER_VARIABLES:
         if name in environ:
             return f"{name} is set"

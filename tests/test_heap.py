@@ -208,3 +208,10 @@ def test_only_a_message_read_as_the_servers_sizes_the_heap(tmp_path: Path, serve
         assert out.get("rows") == str(1 << 20) and int(out["held"]) >= heap.TRIM_FLOOR, out
     else:
         assert "frame holds" in out.get("error", "") and out["held"] == "0", out
+
+
+def test_a_mistyped_fuelline_heap_is_named_in_a_warning_and_changes_nothing(caplog) -> None:
+    with caplog.at_level("WARNING", logger="fuelline.client"):
+        assert heap.left_alone({"FUELLINE_HEAP": "sytem"}) is None
+    assert any("FUELLINE_HEAP='sytem'" in r.getMessage() and "'system'" in r.getMessage() for r in caplog.records), \
+        caplog.text
